@@ -1,0 +1,22 @@
+# Flags for kvcache's own tests, benchmarks and examples (never on the INTERFACE target).
+
+include(CheckCXXCompilerFlag)
+check_cxx_compiler_flag(-march=native KVCACHE_HAS_MARCH_NATIVE)
+
+# kvcache_warnings: strict warnings for everything we compile ourselves.
+add_library(kvcache_warnings INTERFACE)
+target_compile_options(kvcache_warnings INTERFACE -Wall -Wextra -Werror -Wno-psabi)
+
+# kvcache_native: what benchmarks, examples and SIMD tests build with.
+add_library(kvcache_native INTERFACE)
+if(KVCACHE_HAS_MARCH_NATIVE)
+  target_compile_options(kvcache_native INTERFACE -march=native)
+endif()
+
+# kvcache_sanitize: ASan + UBSan when KVCACHE_SANITIZE=ON.
+add_library(kvcache_sanitize INTERFACE)
+if(KVCACHE_SANITIZE)
+  target_compile_options(kvcache_sanitize INTERFACE
+    -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  target_link_options(kvcache_sanitize INTERFACE -fsanitize=address,undefined)
+endif()

@@ -1,0 +1,185 @@
+// kvcache: per-cell metadata, shared by all layers (F1), kept apart from K/V data.
+//
+// Struct of arrays: position, pending K-shift delta and sequence set per cell,
+// plus indexes maintained on every change so that the usual queries are O(1) or
+// O(log n): used count, first/last used cell, per-sequence position multiset
+// (min/max/contains), number of cells with a pending shift.
+#pragma once
+
+#include <cstdint>  // fixed-width integers
+#include <iterator> // std::prev
+#include <map>      // per-sequence position multiset
+#include <set>      // ordered used cells
+#include <vector>   // arrays
+
+#include "../config.hpp"
+#include "../model_shape.hpp"
+#include "seq_set.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+
+class cell_table {
+public:
+    /// Saved state of one cell (transactions restore it exactly).
+    struct snapshot {
+        pos_t pos = -1;
+        std::int32_t shift = 0;
+        seq_set seqs{};
+    };
+
+    cell_table(std::uint32_t n_cells, std::uint32_t n_seq_max)
+        : pos_(n_cells, -1), shift_(n_cells, 0), seqs_(n_cells), seq_pos_(n_seq_max) {}
+
+    [[nodiscard]] std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(pos_.size()); }
+    [[nodiscard]] std::uint32_t n_seq_max() const noexcept { return static_cast<std::uint32_t>(seq_pos_.size()); }
+    /// Number of occupied cells.
+    [[nodiscard]] std::uint32_t used() const noexcept { return static_cast<std::uint32_t>(used_.size()); }
+    [[nodiscard]] std::uint32_t free_count() const noexcept { return size() - used(); }
+    [[nodiscard]] bool is_free(std::uint32_t c) const noexcept { return pos_[c] < 0; }
+    [[nodiscard]] pos_t pos(std::uint32_t c) const noexcept { return pos_[c]; }
+    /// Pending RoPE delta of the cell's K: current position minus the position K was computed at.
+    [[nodiscard]] std::int32_t shift(std::uint32_t c) const noexcept { return shift_[c]; }
+    [[nodiscard]] const seq_set& seqs(std::uint32_t c) const noexcept { return seqs_[c]; }
+    /// Lowest occupied cell. Call only if used() > 0.
+    [[nodiscard]] std::uint32_t first_used() const noexcept {
+        KVCACHE_ASSERT(!used_.empty());
+        return *used_.begin();
+    }
+    /// Highest occupied cell. Call only if used() > 0.
+    [[nodiscard]] std::uint32_t last_used() const noexcept {
+        KVCACHE_ASSERT(!used_.empty());
+        return *used_.rbegin();
+    }
+    /// Occupied cells in increasing order.
+    [[nodiscard]] const std::set<std::uint32_t>& used_cells() const noexcept { return used_; }
+    /// Number of cells with a pending K-shift.
+    [[nodiscard]] std::uint32_t n_shifted() const noexcept { return n_shifted_; }
+
+    /// Smallest position of sequence s, or -1 if it has no cells. s must be valid.
+    [[nodiscard]] pos_t seq_pos_min(seq_id_t s) const noexcept {
+        const auto& m = seq_pos_[static_cast<std::size_t>(s)];
+        return m.empty() ? -1 : m.begin()->first;
+    }
+    /// Largest position of sequence s, or -1 if it has no cells. s must be valid.
+    [[nodiscard]] pos_t seq_pos_max(seq_id_t s) const noexcept {
+        const auto& m = seq_pos_[static_cast<std::size_t>(s)];
+        return m.empty() ? -1 : m.rbegin()->first;
+    }
+    /// Number of cells used by sequence s.
+    [[nodiscard]] std::uint32_t seq_cell_count(seq_id_t s) const noexcept {
+        std::uint32_t n = 0;
+        for (const auto& [p, c] : seq_pos_[static_cast<std::size_t>(s)]) n += c;
+        return n;
+    }
+    /// Whether sequence s holds position p in some cell.
+    [[nodiscard]] bool seq_has_pos(seq_id_t s, pos_t p) const noexcept {
+        return seq_pos_[static_cast<std::size_t>(s)].count(p) != 0;
+    }
+    /// Position multiset of sequence s (position -> number of cells).
+    [[nodiscard]] const std::map<pos_t, std::uint32_t>& seq_positions(seq_id_t s) const noexcept {
+        return seq_pos_[static_cast<std::size_t>(s)];
+    }
+
+    /// Raw arrays for kernels (size() entries each).
+    [[nodiscard]] const pos_t* pos_data() const noexcept { return pos_.data(); }
+    [[nodiscard]] const std::int32_t* shift_data() const noexcept { return shift_.data(); }
+    [[nodiscard]] const seq_set* seq_data() const noexcept { return seqs_.data(); }
+
+    // --- mutations (preconditions asserted; the cache validates arguments first) ---
+
+    /// Occupies free cell c with position p for the sequences in `seqs` (non-empty).
+    void occupy(std::uint32_t c, pos_t p, const seq_set& seqs) {
+        KVCACHE_ASSERT(is_free(c) && p >= 0 && seqs.any());
+        pos_[c] = p;
+        seqs_[c] = seqs;
+        used_.insert(c);
+        seqs.for_each([&](seq_id_t s) { index_add(s, p); });
+    }
+    /// Adds sequence s to occupied cell c (no-op if already there).
+    void add_seq(std::uint32_t c, seq_id_t s) {
+        KVCACHE_ASSERT(!is_free(c));
+        if (seqs_[c].test(s)) return;
+        seqs_[c].set(s);
+        index_add(s, pos_[c]);
+    }
+    /// Removes sequence s from cell c; frees the cell when no sequence is left.
+    void rm_seq(std::uint32_t c, seq_id_t s) {
+        KVCACHE_ASSERT(!is_free(c) && seqs_[c].test(s));
+        seqs_[c].reset(s);
+        index_rm(s, pos_[c]);
+        if (seqs_[c].none()) release(c);
+    }
+    /// Frees cell c, dropping every sequence.
+    void free_cell(std::uint32_t c) {
+        KVCACHE_ASSERT(!is_free(c));
+        seqs_[c].for_each([&](seq_id_t s) { index_rm(s, pos_[c]); });
+        seqs_[c].clear();
+        release(c);
+    }
+    /// Moves cell c to position p >= 0 and accumulates the K-shift delta.
+    void move_pos(std::uint32_t c, pos_t p) {
+        KVCACHE_ASSERT(!is_free(c) && p >= 0);
+        const pos_t old = pos_[c];
+        if (p == old) return;
+        seqs_[c].for_each([&](seq_id_t s) {
+            index_rm(s, old);
+            index_add(s, p);
+        });
+        set_shift(c, shift_[c] + (p - old));  // fits: both positions in [0, 2^31)
+        pos_[c] = p;
+    }
+    /// Sets the pending shift of cell c (used when a cell's K/V is copied elsewhere).
+    void set_shift(std::uint32_t c, std::int32_t d) noexcept {
+        n_shifted_ += (d != 0) - (shift_[c] != 0);
+        shift_[c] = d;
+    }
+    /// Forgets every pending shift (after the K-shift kernel applied them).
+    void clear_shifts() noexcept {
+        if (n_shifted_ == 0) return;
+        for (auto& d : shift_) d = 0;
+        n_shifted_ = 0;
+    }
+    [[nodiscard]] snapshot save(std::uint32_t c) const noexcept { return {pos_[c], shift_[c], seqs_[c]}; }
+    /// Puts cell c back to a saved state, whatever it holds now.
+    void load(std::uint32_t c, const snapshot& s) {
+        if (!is_free(c)) free_cell(c);
+        if (s.pos >= 0) {
+            occupy(c, s.pos, s.seqs);
+            set_shift(c, s.shift);
+        }
+    }
+    /// Frees every cell.
+    void clear() {
+        for (auto c : used_) {
+            pos_[c] = -1;
+            shift_[c] = 0;
+            seqs_[c].clear();
+        }
+        used_.clear();
+        for (auto& m : seq_pos_) m.clear();
+        n_shifted_ = 0;
+    }
+
+private:
+    void release(std::uint32_t c) {
+        pos_[c] = -1;
+        set_shift(c, 0);
+        used_.erase(c);
+    }
+    void index_add(seq_id_t s, pos_t p) { ++seq_pos_[static_cast<std::size_t>(s)][p]; }
+    void index_rm(seq_id_t s, pos_t p) {
+        auto& m = seq_pos_[static_cast<std::size_t>(s)];
+        auto it = m.find(p);
+        KVCACHE_ASSERT(it != m.end());
+        if (--it->second == 0) m.erase(it);
+    }
+
+    std::vector<pos_t> pos_;            // -1 = free; >= 0 occupied
+    std::vector<std::int32_t> shift_;   // 0 for free cells; pos - pos at which K was computed
+    std::vector<seq_set> seqs_;         // empty exactly for free cells
+    std::set<std::uint32_t> used_;      // exactly the cells with pos >= 0
+    std::vector<std::map<pos_t, std::uint32_t>> seq_pos_;  // per sequence: position -> cell count
+    std::uint32_t n_shifted_ = 0;       // cells with shift != 0
+};
+
+KVCACHE_END_NAMESPACE

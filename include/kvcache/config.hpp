@@ -1,0 +1,56 @@
+// kvcache: configuration macros, version and the library namespace.
+// Every macro here may be defined by the user before the first kvcache include.
+#pragma once
+
+#include <cstdio>   // std::fprintf for the default assertion handler
+#include <cstdlib>  // std::abort
+
+#define KVCACHE_VERSION_MAJOR 0
+#define KVCACHE_VERSION_MINOR 1
+#define KVCACHE_VERSION_PATCH 0
+
+/// Versioned inline namespace: objects built against different major/minor
+/// versions cannot be mixed at link time by accident.
+#define KVCACHE_BEGIN_NAMESPACE \
+    namespace kvcache {         \
+    inline namespace v0_1 {
+#define KVCACHE_END_NAMESPACE \
+    }                         \
+    }
+
+/// Largest number of sequences a cache can track (size of the per-cell
+/// sequence bitset). Must be a multiple of 64.
+#ifndef KVCACHE_MAX_SEQ
+#define KVCACHE_MAX_SEQ 256
+#endif
+static_assert(KVCACHE_MAX_SEQ > 0 && KVCACHE_MAX_SEQ % 64 == 0,
+              "KVCACHE_MAX_SEQ must be a positive multiple of 64");
+
+/// Assertion for programming errors (broken preconditions inside the library).
+/// Invalid arguments from the host are never asserted: they throw kvcache::error.
+#ifndef KVCACHE_ASSERT
+#ifdef NDEBUG
+#define KVCACHE_ASSERT(cond) static_cast<void>(0)
+#else
+#define KVCACHE_ASSERT(cond)                                                       \
+    ((cond) ? static_cast<void>(0)                                                  \
+            : (std::fprintf(stderr, "kvcache: assertion failed: %s (%s:%d)\n", #cond, \
+                            __FILE__, __LINE__),                                    \
+               std::abort()))
+#endif
+#endif
+
+/// OpenMP goes through this one macro so that a build without OpenMP compiles
+/// the same code serially. Usage: KVCACHE_OMP(parallel for schedule(static))
+#ifndef KVCACHE_OMP
+#if defined(_OPENMP)
+#define KVCACHE_DO_PRAGMA(x) _Pragma(#x)
+#define KVCACHE_OMP(directive) KVCACHE_DO_PRAGMA(omp directive)
+#else
+#define KVCACHE_OMP(directive)
+#endif
+#endif
+
+#if defined(_OPENMP)
+#include <omp.h>  // omp_get_thread_num etc. for kernels that split work by hand
+#endif

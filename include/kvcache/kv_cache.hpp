@@ -1,0 +1,506 @@
+// kvcache: kv_cache<Policies...>, the cache type a host program instantiates.
+//
+// Thread-safety contract
+// ----------------------
+// - A kv_cache is a single-writer object. Calls that change it (place, write_k,
+//   write_v, commit, restore, seq_*, clear, and the K-shift in ops/) need external
+//   locking if several threads use the same cache.
+// - Const calls (queries, read_k/read_v, attention in ops/) may run concurrently
+//   with each other, but not with a writer.
+// - Kernels may use OpenMP threads inside one call; that is invisible to callers.
+// - Different kv_cache objects share nothing and can be used from different
+//   threads freely.
+#pragma once
+
+#include <algorithm>  // std::min, std::max
+#include <cstddef>    // std::size_t
+#include <cstdint>    // fixed-width integers
+#include <limits>     // position limits
+#include <span>       // batch inputs
+#include <string>     // messages
+#include <utility>    // std::pair
+#include <vector>     // placements, staging
+
+#include "cells/cell_table.hpp"
+#include "concepts.hpp"
+#include "detail/policy_select.hpp"
+#include "element/f32.hpp"
+#include "error.hpp"
+#include "layout/contiguous.hpp"
+#include "model_shape.hpp"
+#include "reuse/none.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+
+/// Where each token of a placed micro-batch went: cells[i] is token i's cell.
+struct placement {
+    std::vector<std::uint32_t> cells;
+};
+
+/// Outcome of commit() / restore().
+enum class tx_result {
+    committed,       ///< staged placements are now permanent
+    restored,        ///< every staged cell is back to its prior state
+    nothing_staged,  ///< no-op: nothing was placed since the last commit/restore (likely a bug)
+};
+
+/// The KV cache: cell metadata (cells/) + K/V storage (layout policy) + policies.
+///
+/// Policies may be given in any order, each kind at most once:
+///   - element: f32 (default), f16, bf16, or a type satisfying element_policy
+///   - layout:  contiguous<> (default) or a type satisfying layout_policy
+///   - reuse:   reuse::none (default) or a type satisfying reuse_policy
+/// See concepts.hpp for what a custom policy must provide.
+template <class... Policies>
+class kv_cache {
+    static_assert((detail::is_known_policy<Policies>() && ...),
+                  "kvcache: every policy must declare `using policy_kind = kvcache::element_tag;` "
+                  "(or layout_tag / reuse_tag); see kvcache/concepts.hpp");
+    static_assert(detail::count_kind<element_tag, Policies...>() <= 1,
+                  "kvcache: more than one element policy given to kv_cache");
+    static_assert(detail::count_kind<layout_tag, Policies...>() <= 1,
+                  "kvcache: more than one layout policy given to kv_cache");
+    static_assert(detail::count_kind<reuse_tag, Policies...>() <= 1,
+                  "kvcache: more than one reuse policy given to kv_cache");
+
+public:
+    using element = detail::select_policy_t<element_tag, f32, Policies...>;
+    using layout = detail::select_policy_t<layout_tag, contiguous<>, Policies...>;
+    using reuse = detail::select_policy_t<reuse_tag, reuse::none, Policies...>;
+
+    static_assert(element_policy<element>,
+                  "kvcache: the element policy does not satisfy kvcache::element_policy (see kvcache/concepts.hpp)");
+    static_assert(layout_policy<layout>,
+                  "kvcache: the layout policy does not satisfy kvcache::layout_policy (see kvcache/concepts.hpp)");
+    static_assert(layout_policy_for<layout, element>,
+                  "kvcache: the layout policy's storage<Element> does not satisfy kvcache::kv_storage "
+                  "(see kvcache/concepts.hpp)");
+    static_assert(reuse_policy<reuse>,
+                  "kvcache: the reuse policy does not satisfy kvcache::reuse_policy (see kvcache/concepts.hpp)");
+
+    using storage_type = typename element::storage_type;
+    using storage_t = typename layout::template storage<element>;
+
+    /// Builds a cache for `shape`; throws kvcache::error(invalid_config) naming a bad parameter.
+    /// Allocates every buffer once, zero-initialised (F2).
+    explicit kv_cache(const model_shape& shape)
+        : shape_(validated(shape)), cells_(shape.n_cells, shape.n_seq_max), storage_(shape) {}
+
+    kv_cache(const kv_cache&) = delete;
+    kv_cache& operator=(const kv_cache&) = delete;
+    kv_cache(kv_cache&&) noexcept = default;
+    kv_cache& operator=(kv_cache&&) noexcept = default;
+
+    // ------------------------------------------------------------------ queries
+
+    [[nodiscard]] const model_shape& shape() const noexcept { return shape_; }
+    /// Capacity in cells.
+    [[nodiscard]] std::uint32_t capacity() const noexcept { return cells_.size(); }
+    /// Occupied cells.
+    [[nodiscard]] std::uint32_t used() const noexcept { return cells_.used(); }
+    /// Bytes one token occupies in all layers (K and V).
+    [[nodiscard]] std::size_t bytes_per_token() const noexcept {
+        return shape_.bytes_per_token(sizeof(storage_type));
+    }
+    /// Bytes of every K/V buffer (including tile padding).
+    [[nodiscard]] std::size_t total_bytes() const noexcept { return storage_.bytes(); }
+    /// Cell metadata (positions, sequences, pending shifts).
+    [[nodiscard]] const cell_table& cells() const noexcept { return cells_; }
+    /// K/V storage, for kernels (ops/) and state I/O.
+    [[nodiscard]] const storage_t& storage() const noexcept { return storage_; }
+    [[nodiscard]] storage_t& storage() noexcept { return storage_; }
+
+    /// Attention window (F8): cells [0, n) hold every used cell; n is padded to a
+    /// multiple of `pad` (32 by default, 256 for flash-style kernels) and capped at capacity.
+    [[nodiscard]] std::uint32_t n_window(std::uint32_t pad = 32) const {
+        if (pad == 0) detail::fail(errc::invalid_argument, "n_window: pad = 0, must be >= 1");
+        if (cells_.used() == 0) return 0;
+        const std::uint64_t n = std::uint64_t{cells_.last_used()} + 1;
+        const std::uint64_t padded = (n + pad - 1) / pad * pad;
+        return static_cast<std::uint32_t>(std::min<std::uint64_t>(padded, capacity()));
+    }
+
+    [[nodiscard]] pos_t seq_pos_min(seq_id_t s) const {
+        check_seq("seq_pos_min", "seq_id", s, false);
+        return cells_.seq_pos_min(s);
+    }
+    [[nodiscard]] pos_t seq_pos_max(seq_id_t s) const {
+        check_seq("seq_pos_max", "seq_id", s, false);
+        return cells_.seq_pos_max(s);
+    }
+
+    /// Reads one cell's K (or V) row of a layer back as floats: n_head_kv x head_dim values.
+    void read_k(std::uint32_t layer, std::uint32_t cell, float* row) const {
+        check_layer_cell("read_k", layer, cell);
+        storage_.read_k(layer, cell, row);
+    }
+    void read_v(std::uint32_t layer, std::uint32_t cell, float* row) const {
+        check_layer_cell("read_v", layer, cell);
+        storage_.read_v(layer, cell, row);
+    }
+
+    // -------------------------------------------------------- placement (F3, F4)
+
+    /// Places a micro-batch: token i has position pos[i] and belongs to sequence seq[i].
+    /// Invalid arguments throw kvcache::error(invalid_argument) and change nothing.
+    /// Not enough free cells: an error result (no_space / batch_too_large), nothing changed.
+    /// Placed cells are staged until commit() / restore().
+    [[nodiscard]] result<placement> place(std::span<const pos_t> pos, std::span<const seq_id_t> seq) {
+        if (pos.size() != seq.size())
+            detail::fail(errc::invalid_argument, "place: pos has " + std::to_string(pos.size()) +
+                                                     " entries but seq has " + std::to_string(seq.size()));
+        std::vector<seq_set> sets(seq.size());
+        for (std::size_t i = 0; i < seq.size(); ++i) {
+            check_seq("place", "seq[" + std::to_string(i) + "]", seq[i], false);
+            sets[i] = seq_set::of(seq[i]);
+        }
+        return place(pos, std::span<const seq_set>(sets));
+    }
+
+    /// Places a micro-batch whose tokens may belong to several sequences each (seqs[i] non-empty).
+    [[nodiscard]] result<placement> place(std::span<const pos_t> pos, std::span<const seq_set> seqs) {
+        check_no_foreign_seqs(seqs);
+        validate_batch(pos, seqs);
+        const auto n = static_cast<std::uint32_t>(pos.size());
+        if (pos.size() > capacity())
+            return detail::make_error(errc::batch_too_large, "place: batch of " + std::to_string(pos.size()) +
+                                                                 " tokens exceeds capacity " +
+                                                                 std::to_string(capacity()));
+        if (n > cells_.free_count())
+            return detail::make_error(errc::no_space, "place: batch of " + std::to_string(n) + " tokens needs " +
+                                                          std::to_string(n) + " free cells, " +
+                                                          std::to_string(cells_.free_count()) + " free");
+        placement out;
+        out.cells = find_free_cells(n);
+        if (staged_.empty()) head_before_tx_ = head_;
+        for (std::uint32_t i = 0; i < n; ++i) {
+            const std::uint32_t c = out.cells[i];
+            staged_.push_back({c, cells_.save(c)});
+            cells_.occupy(c, pos[i], seqs[i]);
+        }
+        if (n > 0) head_ = out.cells.back() + 1 == capacity() ? 0 : out.cells.back() + 1;
+        return out;
+    }
+
+    /// Writes K rows for the placed cells of one layer: rows holds cells.size() rows of
+    /// n_head_kv x head_dim_k floats (head-major), converted to the element type.
+    void write_k(std::uint32_t layer, std::span<const std::uint32_t> cells, const float* rows) {
+        check_write("write_k", layer, cells, rows);
+        for (std::size_t i = 0; i < cells.size(); ++i) storage_.write_k(layer, cells[i], rows + i * shape_.k_row_size());
+    }
+    /// Writes V rows (n_head_kv x head_dim_v floats each) for the placed cells of one layer.
+    void write_v(std::uint32_t layer, std::span<const std::uint32_t> cells, const float* rows) {
+        check_write("write_v", layer, cells, rows);
+        for (std::size_t i = 0; i < cells.size(); ++i) storage_.write_v(layer, cells[i], rows + i * shape_.v_row_size());
+    }
+
+    /// Whether placements are staged (a transaction is open).
+    [[nodiscard]] bool in_transaction() const noexcept { return !staged_.empty(); }
+
+    /// Makes every staged placement permanent. With nothing staged: returns nothing_staged.
+    tx_result commit() noexcept {
+        if (staged_.empty()) return tx_result::nothing_staged;
+        staged_.clear();
+        return tx_result::committed;
+    }
+
+    /// Puts every cell touched since the last commit back exactly (metadata and
+    /// indexes). With nothing staged: returns nothing_staged.
+    tx_result restore() {
+        if (staged_.empty()) return tx_result::nothing_staged;
+        for (auto it = staged_.rbegin(); it != staged_.rend(); ++it) cells_.load(it->cell, it->before);
+        staged_.clear();
+        head_ = head_before_tx_;
+        return tx_result::restored;
+    }
+
+    // ------------------------------------------------------- sequence ops (F5)
+    // Ranges are [p0, p1); p0 < 0 means 0, p1 < 0 means "to the end".
+    // seq_id < 0 means every sequence where documented.
+    // Every call validates all arguments first; on error the cache is unchanged.
+    // Sequence ops are refused (errc::transaction_open) while placements are staged.
+
+    /// Removes sequence s (or every sequence if s < 0) from cells with position in [p0, p1).
+    void seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
+        check_no_tx("seq_rm");
+        check_seq("seq_rm", "seq_id", s, true);
+        const auto [lo, hi] = range("seq_rm", p0, p1);
+        std::vector<std::uint32_t> hit;
+        for (std::uint32_t c : cells_.used_cells())
+            if (in_range(c, lo, hi) && (s < 0 || cells_.seqs(c).test(s))) hit.push_back(c);
+        for (std::uint32_t c : hit) {
+            if (s < 0)
+                cells_.free_cell(c);
+            else
+                cells_.rm_seq(c, s);
+        }
+    }
+
+    /// Adds sequence dst to every cell of src with position in [p0, p1), sharing the
+    /// cells (no data copy). Refused if dst already holds one of those positions.
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+        check_no_tx("seq_cp");
+        check_seq("seq_cp", "src", src, false);
+        check_seq("seq_cp", "dst", dst, false);
+        const auto [lo, hi] = range("seq_cp", p0, p1);
+        if (src == dst) return;
+        std::vector<std::uint32_t> hit;
+        for (std::uint32_t c : cells_.used_cells()) {
+            if (!in_range(c, lo, hi) || !cells_.seqs(c).test(src) || cells_.seqs(c).test(dst)) continue;
+            if (cells_.seq_has_pos(dst, cells_.pos(c)))
+                detail::fail(errc::invalid_argument,
+                             "seq_cp: destination sequence " + std::to_string(dst) + " already holds position " +
+                                 std::to_string(cells_.pos(c)) + "; seq_rm it first");
+            hit.push_back(c);
+        }
+        for (std::uint32_t c : hit) cells_.add_seq(c, dst);
+    }
+
+    /// Removes every sequence other than s; cells not used by s become free.
+    void seq_keep(seq_id_t s) {
+        check_no_tx("seq_keep");
+        check_seq("seq_keep", "seq_id", s, false);
+        std::vector<std::uint32_t> hit(cells_.used_cells().begin(), cells_.used_cells().end());
+        for (std::uint32_t c : hit) {
+            if (!cells_.seqs(c).test(s)) {
+                cells_.free_cell(c);
+            } else {
+                seq_set others = cells_.seqs(c);
+                others.reset(s);
+                others.for_each([&](seq_id_t t) { cells_.rm_seq(c, t); });
+            }
+        }
+    }
+
+    /// Adds delta to the positions of sequence s (every sequence if s < 0) in [p0, p1).
+    /// Cells moved below position 0 are removed. The K-shift delta accumulates per cell.
+    /// A cell shared with another sequence is split first (the moving sequence gets its own
+    /// copy of the K/V), so other sequences never see the move; needs one free cell per split
+    /// (errc::no_space otherwise, nothing changed).
+    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
+        check_no_tx("seq_add");
+        check_seq("seq_add", "seq_id", s, true);
+        const auto [lo, hi] = range("seq_add", p0, p1);
+        require_shift("seq_add");
+        if (delta == 0) return;
+        move_positions("seq_add", s, lo, hi, [delta](pos_t p) { return std::int64_t{p} + delta; });
+    }
+
+    /// Integer-divides the positions of sequence s (every sequence if s < 0) in [p0, p1)
+    /// by d > 0 (Self-Extend). Shared cells are split as in seq_add.
+    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
+        check_no_tx("seq_div");
+        check_seq("seq_div", "seq_id", s, true);
+        const auto [lo, hi] = range("seq_div", p0, p1);
+        if (d <= 0) detail::fail(errc::invalid_argument, "seq_div: d = " + std::to_string(d) + ", must be > 0");
+        require_shift("seq_div");
+        if (d == 1) return;
+        move_positions("seq_div", s, lo, hi, [d](pos_t p) { return std::int64_t{p} / d; });
+    }
+
+    /// Frees every cell and drops any staged placement.
+    void clear() {
+        cells_.clear();
+        staged_.clear();
+        head_ = 0;
+    }
+
+    /// Whether some cell has a pending K-shift (apply it with ops::apply_k_shift).
+    [[nodiscard]] bool has_shift() const noexcept { return cells_.n_shifted() != 0; }
+    /// Forgets the pending shifts; called by the K-shift kernel after rotating K.
+    void clear_shifts() noexcept { cells_.clear_shifts(); }
+
+private:
+    struct staged_cell {
+        std::uint32_t cell;
+        cell_table::snapshot before;
+    };
+
+    static const model_shape& validated(const model_shape& s) {
+        s.validate();
+        return s;
+    }
+
+    void check_seq(const char* fn, const std::string& name, seq_id_t s, bool allow_all) const {
+        if (allow_all && s < 0) return;
+        if (s < 0 || static_cast<std::uint32_t>(s) >= shape_.n_seq_max)
+            detail::fail(errc::invalid_argument, std::string(fn) + ": " + name + " = " + std::to_string(s) +
+                                                     (allow_all ? ", must be < 0 (all) or in [0, " : ", must be in [0, ") +
+                                                     std::to_string(shape_.n_seq_max) + ")");
+    }
+    void check_layer_cell(const char* fn, std::uint32_t layer, std::uint32_t cell) const {
+        if (layer >= shape_.n_layer)
+            detail::fail(errc::invalid_argument, std::string(fn) + ": layer = " + std::to_string(layer) +
+                                                     ", must be < n_layer = " + std::to_string(shape_.n_layer));
+        if (cell >= capacity())
+            detail::fail(errc::invalid_argument, std::string(fn) + ": cell = " + std::to_string(cell) +
+                                                     ", must be < capacity = " + std::to_string(capacity()));
+    }
+    void check_write(const char* fn, std::uint32_t layer, std::span<const std::uint32_t> cells, const float* rows) const {
+        if (!cells.empty() && rows == nullptr)
+            detail::fail(errc::invalid_argument, std::string(fn) + ": rows is null");
+        for (std::uint32_t c : cells) {
+            check_layer_cell(fn, layer, c);
+            if (cells_.is_free(c))
+                detail::fail(errc::invalid_argument,
+                             std::string(fn) + ": cell " + std::to_string(c) + " is free; place the batch first");
+        }
+        if (cells.empty()) check_layer_cell(fn, layer, 0);
+    }
+    void check_no_tx(const char* fn) const {
+        if (!staged_.empty())
+            detail::fail(errc::transaction_open,
+                         std::string(fn) + ": placements are staged; commit() or restore() first");
+    }
+    void check_no_foreign_seqs(std::span<const seq_set> seqs) const {
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            if (seqs[i].none())
+                detail::fail(errc::invalid_argument, "place: token " + std::to_string(i) + " has no sequence");
+            seqs[i].for_each([&](seq_id_t s) { check_seq("place", "sequence of token " + std::to_string(i), s, false); });
+        }
+    }
+    void validate_batch(std::span<const pos_t> pos, std::span<const seq_set> seqs) const {
+        if (pos.size() != seqs.size())
+            detail::fail(errc::invalid_argument, "place: pos has " + std::to_string(pos.size()) +
+                                                     " entries but seqs has " + std::to_string(seqs.size()));
+        std::vector<std::pair<seq_id_t, pos_t>> pairs;
+        pairs.reserve(pos.size());
+        for (std::size_t i = 0; i < pos.size(); ++i) {
+            if (pos[i] < 0)
+                detail::fail(errc::invalid_argument,
+                             "place: pos[" + std::to_string(i) + "] = " + std::to_string(pos[i]) + ", must be >= 0");
+            seqs[i].for_each([&](seq_id_t s) {
+                if (cells_.seq_has_pos(s, pos[i]))
+                    detail::fail(errc::invalid_argument, "place: sequence " + std::to_string(s) +
+                                                             " already holds position " + std::to_string(pos[i]) +
+                                                             " (token " + std::to_string(i) + "); seq_rm it first");
+                pairs.emplace_back(s, pos[i]);
+            });
+        }
+        std::sort(pairs.begin(), pairs.end());
+        const auto dup = std::adjacent_find(pairs.begin(), pairs.end());
+        if (dup != pairs.end())
+            detail::fail(errc::invalid_argument, "place: the batch puts sequence " + std::to_string(dup->first) +
+                                                     " at position " + std::to_string(dup->second) + " twice");
+    }
+
+    /// F3: n free cells starting at head_ (wrapping); if head_ > used + 2n, search from 0.
+    /// Precondition: n <= free cells.
+    std::vector<std::uint32_t> find_free_cells(std::uint32_t n) {
+        std::vector<std::uint32_t> out;
+        out.reserve(n);
+        if (head_ > cells_.used() + 2u * n) head_ = 0;
+        const std::uint32_t cap = capacity();
+        for (std::uint32_t k = 0; k < cap && out.size() < n; ++k) {
+            const std::uint32_t c = head_ + k < cap ? head_ + k : head_ + k - cap;
+            if (cells_.is_free(c)) out.push_back(c);
+        }
+        KVCACHE_ASSERT(out.size() == n);
+        return out;
+    }
+
+    struct pos_range {
+        std::int64_t lo, hi;
+    };
+    static pos_range range(const char* fn, pos_t p0, pos_t p1) {
+        const std::int64_t lo = p0 < 0 ? 0 : p0;
+        const std::int64_t hi = p1 < 0 ? std::int64_t{std::numeric_limits<pos_t>::max()} + 1 : p1;
+        if (lo > hi)
+            detail::fail(errc::invalid_argument, std::string(fn) + ": reversed range [p0, p1) = [" +
+                                                     std::to_string(p0) + ", " + std::to_string(p1) + ")");
+        return {lo, hi};
+    }
+    bool in_range(std::uint32_t c, std::int64_t lo, std::int64_t hi) const noexcept {
+        return cells_.pos(c) >= lo && cells_.pos(c) < hi;
+    }
+    void require_shift(const char* fn) const {
+        if constexpr (!layout::can_shift)
+            detail::fail(errc::unsupported, std::string(fn) + ": the " + std::string(layout::name) +
+                                                " layout cannot move positions");
+    }
+
+    /// Shared implementation of seq_add / seq_div: new position = f(old) as int64.
+    template <class F>
+    void move_positions(const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi, F f) {
+        std::vector<std::uint32_t> hit;
+        std::uint32_t splits = 0;
+        for (std::uint32_t c : cells_.used_cells()) {
+            if (!in_range(c, lo, hi) || (s >= 0 && !cells_.seqs(c).test(s))) continue;
+            const std::int64_t np = f(cells_.pos(c));
+            if (np > std::numeric_limits<pos_t>::max())
+                detail::fail(errc::invalid_argument, std::string(fn) + ": position " + std::to_string(cells_.pos(c)) +
+                                                         " would move to " + std::to_string(np) +
+                                                         ", beyond the largest position 2^31-1");
+            if (np == cells_.pos(c)) continue;
+            hit.push_back(c);
+            if (s >= 0 && np >= 0 && cells_.seqs(c).count() > 1) ++splits;
+        }
+        if (splits > cells_.free_count())
+            detail::fail(errc::no_space, std::string(fn) + ": moving sequence " + std::to_string(s) + " needs " +
+                                             std::to_string(splits) + " free cells to split shared cells, " +
+                                             std::to_string(cells_.free_count()) + " free");
+        std::uint32_t next_free = 0;
+        for (std::uint32_t c : hit) {
+            const std::int64_t np = f(cells_.pos(c));
+            if (np < 0) {
+                if (s < 0)
+                    cells_.free_cell(c);
+                else
+                    cells_.rm_seq(c, s);
+                continue;
+            }
+            std::uint32_t target = c;
+            if (s >= 0 && cells_.seqs(c).count() > 1) {  // split: s gets its own copy
+                while (!cells_.is_free(next_free)) ++next_free;
+                target = next_free;
+                storage_.copy_cell(c, target);
+                cells_.rm_seq(c, s);
+                cells_.occupy(target, cells_.pos(c), seq_set::of(s));
+                cells_.set_shift(target, cells_.shift(c));
+            }
+            cells_.move_pos(target, static_cast<pos_t>(np));
+        }
+    }
+
+    model_shape shape_;
+    cell_table cells_;
+    storage_t storage_;
+    std::vector<staged_cell> staged_;   // cells touched since the last commit, in order
+    std::uint32_t head_ = 0;            // where the next slot search starts (F3)
+    std::uint32_t head_before_tx_ = 0;  // head_ when the first staged placement was made
+};
+
+/// RAII transaction guard (F4): restores every placement made through the cache
+/// since construction unless commit() was called.
+///
+///     kvcache::transaction tx(cache);
+///     auto p = cache.place(pos, seq).value();   // throws on failure: tx restores
+///     ... write K/V, run attention ...
+///     tx.commit();
+template <class Cache>
+class transaction {
+public:
+    explicit transaction(Cache& cache) : cache_(&cache) {}
+    transaction(const transaction&) = delete;
+    transaction& operator=(const transaction&) = delete;
+    ~transaction() {
+        if (cache_ != nullptr) static_cast<void>(cache_->restore());
+    }
+    /// Commits the staged placements; the guard then does nothing.
+    tx_result commit() noexcept {
+        tx_result r = cache_ != nullptr ? cache_->commit() : tx_result::nothing_staged;
+        cache_ = nullptr;
+        return r;
+    }
+    /// Restores now; the guard then does nothing.
+    tx_result restore() {
+        tx_result r = cache_ != nullptr ? cache_->restore() : tx_result::nothing_staged;
+        cache_ = nullptr;
+        return r;
+    }
+
+private:
+    Cache* cache_;
+};
+
+KVCACHE_END_NAMESPACE

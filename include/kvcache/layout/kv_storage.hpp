@@ -1,0 +1,187 @@
+// kvcache: the K/V buffer arrangement shared by the cell-indexed layouts.
+//
+// Why this arrangement (it decides how fast the kernels can be):
+// - Head-major: every KV head of a layer owns one contiguous run of cells, so
+//   attention streams one head's K and V rows sequentially, and all query heads
+//   of a GQA group read them once.
+// - K is tiled: cells are grouped in tiles of k_tile = 16 and, inside a tile, K is
+//   stored dimension-major ([d][16 cells]). q.K for 16 cells is then 16-lane FMAs
+//   of a broadcast q[d] with one contiguous row: no horizontal reduction per cell.
+//   The K-shift applies the same 2x2 rotation to 16 cells at once.
+// - V is row-major per head ([cell][d], the "flash" layout) or transposed
+//   ([d][cell], llama.cpp's non-flash layout), chosen by the layout policy.
+//
+// Element offsets (cp = cells rounded up to a multiple of k_tile):
+//   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 16)*16*dim_k + d*16 + c % 16
+//   V(l, h, c, d) = l*v_layer_stride + h*v_head_stride + c*dim_v + d          (row-major)
+//                 = l*v_layer_stride + h*v_head_stride + d*cp + c             (transposed)
+// with k_head_stride = cp*dim_k, v_head_stride = cp*dim_v.
+#pragma once
+
+#include <algorithm>  // std::fill_n
+#include <cstddef>    // std::size_t
+#include <cstdint>    // std::uint32_t
+#include <cstring>    // std::memset, std::memcpy
+#include <memory>     // std::unique_ptr
+#include <new>        // aligned operator new
+#include <vector>     // conversion scratch
+
+#include "../concepts.hpp"
+#include "../model_shape.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+
+/// Cells per K tile (one 512-bit vector of f32 lanes).
+inline constexpr std::uint32_t k_tile = 16;
+
+/// How V rows are stored (F9).
+enum class v_layout : std::uint8_t {
+    row_major = 0,   ///< [head][cell][d]: flash-style attention reads a whole row per cell
+    transposed = 1,  ///< [head][d][cell]: llama.cpp's non-flash layout (V^T . p as a GEMV)
+};
+
+/// Raw view of one layer's K and V for kernels. T may be const-qualified.
+template <class T>
+struct kv_layer_view {
+    T* k = nullptr;               ///< K tiles of head 0 (see offsets above)
+    T* v = nullptr;               ///< V of head 0
+    std::uint32_t n_head_kv = 0;
+    std::uint32_t dim_k = 0;
+    std::uint32_t dim_v = 0;
+    std::uint32_t n_cells_pad = 0;  ///< cells allocated, a multiple of k_tile
+    std::size_t k_head_stride = 0;  ///< elements between heads in k
+    std::size_t v_head_stride = 0;  ///< elements between heads in v
+    v_layout vl = v_layout::row_major;
+
+    /// First element of K tile `tile` (cells [16*tile, 16*tile + 16)) of head h: dim_k rows of 16.
+    [[nodiscard]] T* k_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
+        return k + h * k_head_stride + std::size_t{tile} * k_tile * dim_k;
+    }
+    /// Offset of K element (h, cell, d).
+    [[nodiscard]] std::size_t k_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
+        return h * k_head_stride + std::size_t{c / k_tile} * k_tile * dim_k + std::size_t{d} * k_tile + c % k_tile;
+    }
+    /// Offset of V element (h, cell, d) for either V layout.
+    [[nodiscard]] std::size_t v_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
+        return vl == v_layout::row_major ? h * v_head_stride + std::size_t{c} * dim_v + d
+                                         : h * v_head_stride + std::size_t{d} * n_cells_pad + c;
+    }
+};
+
+namespace detail {
+struct aligned_delete {
+    void operator()(void* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
+};
+
+/// Zero-initialised, 64-byte aligned buffer of n trivially copyable T.
+template <class T>
+std::unique_ptr<T[], aligned_delete> make_zeroed(std::size_t n) {
+    void* p = ::operator new[](n * sizeof(T), std::align_val_t{64});
+    std::memset(p, 0, n * sizeof(T));
+    return std::unique_ptr<T[], aligned_delete>(static_cast<T*>(p));
+}
+}  // namespace detail
+
+/// K/V buffers for all layers, arranged as described at the top of this file.
+/// Allocated once at construction, zero-initialised (F2), never reallocated.
+template <class Element, v_layout VLayout>
+class tiled_kv_storage {
+public:
+    using element = Element;
+    using storage_type = typename Element::storage_type;
+    static constexpr v_layout v_arrangement = VLayout;
+
+    explicit tiled_kv_storage(const model_shape& s)
+        : n_layer_(s.n_layer),
+          n_head_kv_(s.n_head_kv),
+          dim_k_(s.dim_k()),
+          dim_v_(s.dim_v()),
+          n_cells_pad_((s.n_cells + k_tile - 1) / k_tile * k_tile),
+          k_head_stride_(std::size_t{n_cells_pad_} * dim_k_),
+          v_head_stride_(std::size_t{n_cells_pad_} * dim_v_),
+          k_layer_stride_(k_head_stride_ * n_head_kv_),
+          v_layer_stride_(v_head_stride_ * n_head_kv_),
+          k_(detail::make_zeroed<storage_type>(k_layer_stride_ * n_layer_)),
+          v_(detail::make_zeroed<storage_type>(v_layer_stride_ * n_layer_)),
+          scratch_(std::max(dim_k_, dim_v_)) {}
+
+    /// Bytes reserved for K and V of all layers.
+    [[nodiscard]] std::size_t bytes() const noexcept {
+        return (k_layer_stride_ + v_layer_stride_) * n_layer_ * sizeof(storage_type);
+    }
+    [[nodiscard]] std::uint32_t n_cells_padded() const noexcept { return n_cells_pad_; }
+
+    [[nodiscard]] kv_layer_view<storage_type> view(std::uint32_t layer) noexcept {
+        return {k_.get() + layer * k_layer_stride_, v_.get() + layer * v_layer_stride_, n_head_kv_, dim_k_, dim_v_,
+                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout};
+    }
+    [[nodiscard]] kv_layer_view<const storage_type> view(std::uint32_t layer) const noexcept {
+        return {k_.get() + layer * k_layer_stride_, v_.get() + layer * v_layer_stride_, n_head_kv_, dim_k_, dim_v_,
+                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout};
+    }
+
+    /// Writes one cell's K row (n_head_kv x dim_k floats, head-major) into layer `layer`.
+    void write_k(std::uint32_t layer, std::uint32_t cell, const float* row) {
+        const auto v = view(layer);
+        for (std::uint32_t h = 0; h < n_head_kv_; ++h) {
+            Element::from_float(row + std::size_t{h} * dim_k_, scratch_.data(), dim_k_);
+            for (std::uint32_t d = 0; d < dim_k_; ++d) v.k[v.k_offset(h, cell, d)] = scratch_[d];
+        }
+    }
+    /// Writes one cell's V row (n_head_kv x dim_v floats, head-major) into layer `layer`.
+    void write_v(std::uint32_t layer, std::uint32_t cell, const float* row) {
+        const auto v = view(layer);
+        for (std::uint32_t h = 0; h < n_head_kv_; ++h) {
+            if constexpr (VLayout == v_layout::row_major) {
+                Element::from_float(row + std::size_t{h} * dim_v_, v.v + v.v_offset(h, cell, 0), dim_v_);
+            } else {
+                Element::from_float(row + std::size_t{h} * dim_v_, scratch_.data(), dim_v_);
+                for (std::uint32_t d = 0; d < dim_v_; ++d) v.v[v.v_offset(h, cell, d)] = scratch_[d];
+            }
+        }
+    }
+    /// Reads one cell's K row back as floats.
+    void read_k(std::uint32_t layer, std::uint32_t cell, float* row) const {
+        const auto v = view(layer);
+        for (std::uint32_t h = 0; h < n_head_kv_; ++h)
+            for (std::uint32_t d = 0; d < dim_k_; ++d)
+                Element::to_float(v.k + v.k_offset(h, cell, d), row + std::size_t{h} * dim_k_ + d, 1);
+    }
+    /// Reads one cell's V row back as floats.
+    void read_v(std::uint32_t layer, std::uint32_t cell, float* row) const {
+        const auto v = view(layer);
+        for (std::uint32_t h = 0; h < n_head_kv_; ++h)
+            for (std::uint32_t d = 0; d < dim_v_; ++d)
+                Element::to_float(v.v + v.v_offset(h, cell, d), row + std::size_t{h} * dim_v_ + d, 1);
+    }
+    /// Copies K and V of every layer from cell src to cell dst (bit-exact).
+    void copy_cell(std::uint32_t src, std::uint32_t dst) noexcept {
+        if (src == dst) return;
+        for (std::uint32_t l = 0; l < n_layer_; ++l) {
+            const auto v = view(l);
+            for (std::uint32_t h = 0; h < n_head_kv_; ++h) {
+                for (std::uint32_t d = 0; d < dim_k_; ++d) v.k[v.k_offset(h, dst, d)] = v.k[v.k_offset(h, src, d)];
+                for (std::uint32_t d = 0; d < dim_v_; ++d) v.v[v.v_offset(h, dst, d)] = v.v[v.v_offset(h, src, d)];
+            }
+        }
+    }
+    /// Raw bytes of one cell's K (or V) in one layer, in (head, d) order, for comparisons.
+    void cell_bytes(std::uint32_t layer, std::uint32_t cell, bool is_v, std::vector<storage_type>& out) const {
+        const auto v = view(layer);
+        const std::uint32_t dim = is_v ? dim_v_ : dim_k_;
+        out.resize(std::size_t{n_head_kv_} * dim);
+        for (std::uint32_t h = 0; h < n_head_kv_; ++h)
+            for (std::uint32_t d = 0; d < dim; ++d)
+                out[std::size_t{h} * dim + d] = is_v ? v.v[v.v_offset(h, cell, d)] : v.k[v.k_offset(h, cell, d)];
+    }
+
+private:
+    std::uint32_t n_layer_, n_head_kv_, dim_k_, dim_v_;
+    std::uint32_t n_cells_pad_;  // cells allocated: n_cells rounded up to k_tile
+    std::size_t k_head_stride_, v_head_stride_, k_layer_stride_, v_layer_stride_;
+    std::unique_ptr<storage_type[], detail::aligned_delete> k_;  // invariant: never reallocated
+    std::unique_ptr<storage_type[], detail::aligned_delete> v_;
+    std::vector<storage_type> scratch_;  // one head row, for strided writes
+};
+
+KVCACHE_END_NAMESPACE
