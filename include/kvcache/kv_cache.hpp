@@ -310,6 +310,16 @@ public:
     /// Forgets the pending shifts; called by the K-shift kernel after rotating K.
     void clear_shifts() noexcept { cells_.clear_shifts(); }
 
+    /// Mutable cell metadata for library components that rebuild cells wholesale
+    /// (state loading, defragmentation). Not for host code: it bypasses validation
+    /// and transactions. Refused while placements are staged.
+    [[nodiscard]] cell_table& cells_for_update(detail::internal_access) {
+        check_no_tx("cells_for_update");
+        return cells_;
+    }
+    /// Resets the slot-search head (after a component rebuilt the cells).
+    void reset_head(detail::internal_access) noexcept { head_ = 0; }
+
 private:
     struct staged_cell {
         std::uint32_t cell;

@@ -8,6 +8,11 @@
 KVCACHE_BEGIN_NAMESPACE
 namespace detail {
 
+/// Tag that marks kv_cache members meant for library components, not host code.
+struct internal_access {
+    explicit internal_access() = default;
+};
+
 template <class P>
 constexpr bool is_known_policy() {
     if constexpr (has_policy_kind<P>) {
