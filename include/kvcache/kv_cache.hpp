@@ -449,7 +449,12 @@ private:
             detail::fail(errc::no_space, std::string(fn) + ": moving sequence " + std::to_string(s) + " needs " +
                                              std::to_string(splits) + " free cells to split shared cells, " +
                                              std::to_string(cells_.free_count()) + " free");
-        std::uint32_t next_free = 0;
+        // Split targets: the lowest free cells before the operation, in order of the cells split.
+        std::vector<std::uint32_t> targets;
+        targets.reserve(splits);
+        for (std::uint32_t c = 0; targets.size() < splits; ++c)
+            if (cells_.is_free(c)) targets.push_back(c);
+        std::size_t next_target = 0;
         for (std::uint32_t c : hit) {
             const std::int64_t np = f(cells_.pos(c));
             if (np < 0) {
@@ -461,8 +466,7 @@ private:
             }
             std::uint32_t target = c;
             if (s >= 0 && cells_.seqs(c).count() > 1) {  // split: s gets its own copy
-                while (!cells_.is_free(next_free)) ++next_free;
-                target = next_free;
+                target = targets[next_target++];
                 storage_.copy_cell(c, target);
                 cells_.rm_seq(c, s);
                 cells_.occupy(target, cells_.pos(c), seq_set::of(s));

@@ -48,8 +48,11 @@ public:
 
 private:
     static constexpr std::size_t words = KVCACHE_MAX_SEQ / 64;
-    static constexpr std::size_t idx(seq_id_t s) noexcept { return static_cast<std::size_t>(s) / 64; }
-    static constexpr unsigned bit(seq_id_t s) noexcept { return static_cast<unsigned>(s) % 64; }
+    // Ids are validated by the callers; the modulo keeps an invalid id in bounds anyway.
+    static constexpr std::size_t idx(seq_id_t s) noexcept {
+        return (static_cast<std::uint32_t>(s) % static_cast<std::uint32_t>(capacity)) / 64;
+    }
+    static constexpr unsigned bit(seq_id_t s) noexcept { return static_cast<std::uint32_t>(s) % 64; }
     std::array<std::uint64_t, words> w_{};
 };
 
