@@ -11,6 +11,11 @@ target_compile_options(kvcache_warnings INTERFACE -Wall -Wextra -Werror -Wno-psa
 add_library(kvcache_native INTERFACE)
 if(KVCACHE_HAS_MARCH_NATIVE)
   target_compile_options(kvcache_native INTERFACE -march=native)
+  # GCC 12.2 (Debian 12) reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic
+  # headers (_mm512_undefined_* sources, GCC PR105593, fixed in 12.3): silence it there.
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 12.3)
+    target_compile_options(kvcache_native INTERFACE -Wno-maybe-uninitialized)
+  endif()
 endif()
 
 # kvcache_sanitize: ASan + UBSan when KVCACHE_SANITIZE=ON.
