@@ -23,3 +23,6 @@
 #include "layout/contiguous.hpp"
 #include "reuse/none.hpp"
 #include "kv_cache.hpp"
+#include "ops/rope.hpp"
+#include "ops/kshift.hpp"
+#include "ops/attention.hpp"

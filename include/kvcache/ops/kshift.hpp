@@ -1,0 +1,158 @@
+// kvcache ops: K-shift (F6), the deferred RoPE correction after seq_add / seq_div.
+#pragma once
+
+#include <algorithm>  // std::sort, std::unique, std::lower_bound
+#include <cstddef>    // std::size_t
+#include <cstdint>    // fixed-width integers
+#include <vector>     // per-call tables
+
+#include "../config.hpp"
+#include "../kernels/kshift.hpp"
+#include "../kernels/rope_angles.hpp"
+#include "../layout/kv_storage.hpp"
+#include "../model_shape.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace ops {
+
+/// Which implementation apply_k_shift runs: the SIMD kernel, or the plain scalar loop the
+/// benchmarks compare against (same results up to rounding).
+enum class kernel_path : std::uint8_t { simd = 0, scalar = 1 };
+
+namespace detail_kshift {
+
+/// The per-call plan: distinct deltas with their cos/sin tables, and the tiles that move.
+struct plan {
+    std::uint32_t n_rot = 0, n_pairs = 0;
+    std::vector<std::int32_t> deltas;           // distinct non-zero deltas, sorted
+    std::vector<float> cos_tab, sin_tab;        // [delta index][pair]
+    std::vector<kernels::tile_rotation> tiles;  // tiles with at least one moving cell
+    std::vector<float> lane_cos, lane_sin;      // [mixed tile][pair][16]
+};
+
+template <class Cache>
+plan make_plan(const Cache& cache, int n_threads) {
+    plan pl;
+    const model_shape& shape = cache.shape();
+    pl.n_rot = shape.n_rot();
+    pl.n_pairs = pl.n_rot / 2;
+    const std::uint32_t n = cache.n_window();
+    const std::int32_t* shift = cache.cells().shift_data();
+    const pos_t* pos = cache.cells().pos_data();
+    for (std::uint32_t c = 0; c < n; ++c)
+        if (pos[c] >= 0 && shift[c] != 0) pl.deltas.push_back(shift[c]);
+    std::sort(pl.deltas.begin(), pl.deltas.end());
+    pl.deltas.erase(std::unique(pl.deltas.begin(), pl.deltas.end()), pl.deltas.end());
+    const auto n_deltas = static_cast<std::int64_t>(pl.deltas.size());
+    std::vector<double> inv_freq(pl.n_pairs);
+    for (std::uint32_t i = 0; i < pl.n_pairs; ++i) inv_freq[i] = kernels::rope_inv_freq(shape.rope, pl.n_rot, i);
+    pl.cos_tab.resize(pl.deltas.size() * pl.n_pairs);
+    pl.sin_tab.resize(pl.deltas.size() * pl.n_pairs);
+    const int threads = n_threads;
+    static_cast<void>(threads);
+    // Each distinct delta's table once (costly only when there are many distinct deltas).
+    KVCACHE_OMP(parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads()) if (n_deltas > 64))
+    for (std::int64_t k = 0; k < n_deltas; ++k)
+        kernels::rope_cos_sin(pl.deltas[static_cast<std::size_t>(k)], inv_freq.data(), pl.n_pairs,
+                              pl.cos_tab.data() + k * pl.n_pairs, pl.sin_tab.data() + k * pl.n_pairs);
+    auto index_of = [&](std::int32_t d) {
+        return static_cast<std::uint32_t>(std::lower_bound(pl.deltas.begin(), pl.deltas.end(), d) - pl.deltas.begin());
+    };
+    const std::uint32_t n_tiles = (n + k_tile - 1) / k_tile;
+    std::vector<std::size_t> mixed_slot;
+    for (std::uint32_t t = 0; t < n_tiles; ++t) {
+        kernels::tile_rotation rot;
+        rot.tile = t;
+        std::int32_t first = 0;
+        bool uniform = true;
+        for (std::uint32_t j = 0; j < k_tile; ++j) {
+            const std::uint32_t c = t * k_tile + j;
+            if (c >= n || pos[c] < 0 || shift[c] == 0) continue;
+            if (rot.mask == 0) first = shift[c];
+            uniform = uniform && shift[c] == first;
+            rot.mask = static_cast<std::uint16_t>(rot.mask | (1u << j));
+        }
+        if (rot.mask == 0) continue;
+        rot.uniform = uniform;
+        if (uniform) {
+            rot.table = index_of(first);
+        } else {
+            mixed_slot.push_back(pl.tiles.size());
+            const std::size_t base = pl.lane_cos.size();
+            pl.lane_cos.resize(base + std::size_t{pl.n_pairs} * k_tile, 1.0f);
+            pl.lane_sin.resize(base + std::size_t{pl.n_pairs} * k_tile, 0.0f);
+            for (std::uint32_t j = 0; j < k_tile; ++j) {
+                if (!((rot.mask >> j) & 1u)) continue;
+                const std::uint32_t k = index_of(shift[t * k_tile + j]);
+                for (std::uint32_t i = 0; i < pl.n_pairs; ++i) {
+                    pl.lane_cos[base + std::size_t{i} * k_tile + j] = pl.cos_tab[std::size_t{k} * pl.n_pairs + i];
+                    pl.lane_sin[base + std::size_t{i} * k_tile + j] = pl.sin_tab[std::size_t{k} * pl.n_pairs + i];
+                }
+            }
+        }
+        pl.tiles.push_back(rot);
+    }
+    // Pointers into lane tables only once they no longer move.
+    for (std::size_t m = 0; m < mixed_slot.size(); ++m) {
+        pl.tiles[mixed_slot[m]].lane_cos = pl.lane_cos.data() + m * pl.n_pairs * k_tile;
+        pl.tiles[mixed_slot[m]].lane_sin = pl.lane_sin.data() + m * pl.n_pairs * k_tile;
+    }
+    return pl;
+}
+
+}  // namespace detail_kshift
+
+/// K-shift (F6): rotates the cached K of every layer by each cell's pending delta
+/// (cache.cells().shift(c), the sum of every seq_add / seq_div since the last K-shift),
+/// then clears the pending deltas. V is not touched. Reads and writes only cells [0, n)
+/// with n = cache.n_window() (F8), and only the cells that move. Each distinct delta's
+/// cos/sin table is computed once (in double, accurate for deltas up to 2^31) and shared
+/// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
+template <class Cache>
+void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
+    if (!cache.has_shift()) return;
+    using storage_type = typename Cache::storage_type;
+    using element = typename Cache::element;
+    const model_shape& shape = cache.shape();
+    const detail_kshift::plan pl = detail_kshift::make_plan(cache, n_threads);
+    if (pl.n_pairs != 0 && !pl.tiles.empty()) {
+        const std::uint32_t n_head_kv = shape.n_head_kv;
+        const rope_type type = shape.rope.type;
+        const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
+        const int threads = n_threads;
+        static_cast<void>(threads);
+        for (std::uint32_t l = 0; l < shape.n_layer; ++l) {
+            const kv_layer_view<storage_type> v = cache.storage().view(l);
+            for (std::uint32_t h = 0; h < n_head_kv; ++h) {
+                // Tiles of one (layer, head) are one contiguous stream: split it across threads.
+                KVCACHE_OMP(parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads()))
+                for (std::int64_t k = 0; k < n_tiles; ++k) {
+                    const kernels::tile_rotation& rot = pl.tiles[static_cast<std::size_t>(k)];
+                    const float* ct = pl.cos_tab.data() + std::size_t{rot.table} * pl.n_pairs;
+                    const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
+                    storage_type* tile = v.k_tile_ptr(h, rot.tile);
+                    if (path == kernel_path::simd) {
+                        kernels::rotate_tile(tile, pl.n_rot, type, rot, ct, st);
+                    } else {
+                        kernels::rotate_tile_scalar(
+                            tile, pl.n_rot, type, rot, ct, st,
+                            [](storage_type s) {
+                                float f;
+                                element::to_float(&s, &f, 1);
+                                return f;
+                            },
+                            [](float f) {
+                                storage_type s;
+                                element::from_float(&f, &s, 1);
+                                return s;
+                            });
+                    }
+                }
+            }
+        }
+    }
+    cache.clear_shifts();
+}
+
+}  // namespace ops
+KVCACHE_END_NAMESPACE

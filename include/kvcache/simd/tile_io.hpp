@@ -1,0 +1,97 @@
+// kvcache simd: load / store xsimd float batches from f32, f16 and bf16 storage.
+//
+// The kernels do all arithmetic on xsimd::batch<float> of the arch the including
+// translation unit was compiled for. These helpers move one batch between a storage
+// array and registers. With AVX-512 the 16-bit paths are one conversion
+// instruction; otherwise they go through kvcache's conversion helper (simd/convert.hpp)
+// and a small stack buffer. Loads and stores are unaligned and touch exactly
+// batch::size elements (no tail handling here: callers pass full batches).
+#pragma once
+
+#include <xsimd/xsimd.hpp>
+
+#include <cstddef>  // std::size_t
+#include <cstdint>  // std::uint32_t
+
+#include "../config.hpp"
+#include "convert.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace simd {
+
+using fbatch = xsimd::batch<float>;
+inline constexpr std::size_t lanes = fbatch::size;
+
+/// Loads lanes elements starting at p as floats.
+inline fbatch load(const float* p) noexcept { return fbatch::load_unaligned(p); }
+
+inline fbatch load(const half* p) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (lanes == 16) return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+#if defined(__F16C__) && defined(__AVX__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+    alignas(64) float tmp[lanes];
+    f16_to_f32(p, tmp, lanes);
+    return fbatch::load_aligned(tmp);
+}
+
+inline fbatch load(const bfloat16* p) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (lanes == 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    }
+#endif
+    alignas(64) float tmp[lanes];
+    bf16_to_f32(p, tmp, lanes);
+    return fbatch::load_aligned(tmp);
+}
+
+/// Stores a batch into lanes elements at p, rounding to nearest even for 16-bit types.
+inline void store(float* p, const fbatch& v) noexcept { v.store_unaligned(p); }
+
+inline void store(half* p, const fbatch& v) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (lanes == 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                            _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        return;
+    }
+#endif
+    alignas(64) float tmp[lanes];
+    v.store_aligned(tmp);
+    f32_to_f16(tmp, p, lanes);
+}
+
+inline void store(bfloat16* p, const fbatch& v) noexcept {
+    alignas(64) float tmp[lanes];
+    v.store_aligned(tmp);
+    f32_to_bf16(tmp, p, lanes);
+}
+
+/// Lane mask from bits (bit j: lane j).
+inline xsimd::batch_bool<float> lane_mask(std::uint32_t bits) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (lanes == 16) return xsimd::batch_bool<float>(static_cast<__mmask16>(bits));
+#endif
+    alignas(64) bool b[lanes];
+    for (std::size_t j = 0; j < lanes; ++j) b[j] = ((bits >> j) & 1u) != 0;
+    return xsimd::batch_bool<float>::load_aligned(b);
+}
+
+/// Largest lane.
+inline float hmax(const fbatch& v) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (lanes == 16) return _mm512_reduce_max_ps(v);
+#endif
+    alignas(64) float t[lanes];
+    v.store_aligned(t);
+    float m = t[0];
+    for (std::size_t j = 1; j < lanes; ++j) m = t[j] > m ? t[j] : m;
+    return m;
+}
+
+}  // namespace simd
+KVCACHE_END_NAMESPACE
