@@ -146,10 +146,14 @@ public:
         std::vector<std::uint32_t> free_cells;
         for (std::uint32_t i = 0; i < cells.size(); ++i)
             if (cells[i].pos < 0) free_cells.push_back(i);
-        std::size_t next = 0;
+        std::vector<std::uint32_t> hit;  // decided before anything moves
         for (std::uint32_t i = 0; i < cells.size(); ++i) {
+            const auto& c = cells[i];
+            if (c.pos >= 0 && in(c.pos, p0, p1) && (s < 0 || c.seqs.count(s))) hit.push_back(i);
+        }
+        std::size_t next = 0;
+        for (std::uint32_t i : hit) {
             auto& c = cells[i];
-            if (c.pos < 0 || !in(c.pos, p0, p1) || (s >= 0 && !c.seqs.count(s))) continue;
             const std::int64_t np = f(c.pos);
             if (np == c.pos) continue;
             if (np < 0) {
