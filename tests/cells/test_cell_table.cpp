@@ -1,0 +1,121 @@
+// cell_table: the incrementally maintained indexes (used set, first/last used cell,
+// per-sequence position multiset, shifted-cell count) agree with a recomputation
+// from the raw arrays after every random mutation; snapshots restore exactly.
+#include <doctest/doctest.h>
+
+#include <kvcache/cells/cell_table.hpp>
+
+#include <map>
+#include <random>
+#include <vector>
+
+namespace {
+
+using kvcache::pos_t;
+using kvcache::seq_id_t;
+
+void check_indexes(const kvcache::cell_table& t) {
+    std::uint32_t used = 0, shifted = 0;
+    std::int64_t first = -1, last = -1;
+    std::vector<std::map<pos_t, std::uint32_t>> per_seq(t.n_seq_max());
+    for (std::uint32_t c = 0; c < t.size(); ++c) {
+        if (t.is_free(c)) {
+            REQUIRE(t.seqs(c).none());
+            REQUIRE(t.shift(c) == 0);
+            continue;
+        }
+        REQUIRE(t.seqs(c).any());
+        ++used;
+        if (first < 0) first = c;
+        last = c;
+        shifted += t.shift(c) != 0;
+        t.seqs(c).for_each([&](seq_id_t s) { ++per_seq[static_cast<std::size_t>(s)][t.pos(c)]; });
+    }
+    REQUIRE(t.used() == used);
+    REQUIRE(t.free_count() == t.size() - used);
+    REQUIRE(t.n_shifted() == shifted);
+    if (used > 0) {
+        REQUIRE(t.first_used() == first);
+        REQUIRE(t.last_used() == last);
+    }
+    for (seq_id_t s = 0; s < static_cast<seq_id_t>(t.n_seq_max()); ++s) {
+        const auto& m = per_seq[static_cast<std::size_t>(s)];
+        REQUIRE(t.seq_positions(s) == m);
+        REQUIRE(t.seq_pos_min(s) == (m.empty() ? -1 : m.begin()->first));
+        REQUIRE(t.seq_pos_max(s) == (m.empty() ? -1 : m.rbegin()->first));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("seq_set basics") {
+    kvcache::seq_set s;
+    CHECK(s.none());
+    s.set(0);
+    s.set(63);
+    s.set(64);
+    s.set(KVCACHE_MAX_SEQ - 1);
+    CHECK(s.count() == 4);
+    std::vector<seq_id_t> seen;
+    s.for_each([&](seq_id_t q) { seen.push_back(q); });
+    CHECK(seen == std::vector<seq_id_t>{0, 63, 64, KVCACHE_MAX_SEQ - 1});
+    s.reset(63);
+    CHECK_FALSE(s.test(63));
+    kvcache::seq_set t = kvcache::seq_set::of(0);
+    t.set(64);
+    t.set(KVCACHE_MAX_SEQ - 1);
+    CHECK(s == t);
+    t.reset(64);
+    CHECK_FALSE(s == t);
+    CHECK(kvcache::seq_set::of(5).test(5));
+}
+
+TEST_CASE("cell_table indexes stay consistent under random mutations") {
+    std::mt19937 rng(42);
+    auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    kvcache::cell_table t(50, 5);
+    check_indexes(t);
+    for (int step = 0; step < 20000; ++step) {
+        const auto c = static_cast<std::uint32_t>(uni(0, 49));
+        const seq_id_t s = uni(0, 4);
+        switch (uni(0, 6)) {
+            case 0:
+            case 1:
+                if (t.is_free(c)) t.occupy(c, uni(0, 30), kvcache::seq_set::of(s));
+                break;
+            case 2:
+                if (!t.is_free(c)) t.add_seq(c, s);
+                break;
+            case 3:
+                if (!t.is_free(c) && t.seqs(c).test(s)) t.rm_seq(c, s);
+                break;
+            case 4:
+                if (!t.is_free(c)) t.move_pos(c, uni(0, 40));
+                break;
+            case 5: {
+                if (t.is_free(c)) break;
+                const auto snap = t.save(c);
+                t.free_cell(c);
+                if (uni(0, 1) == 1) t.load(c, snap);
+                if (!t.is_free(c)) REQUIRE(t.pos(c) == snap.pos);
+                break;
+            }
+            default:
+                if (uni(0, 50) == 0) t.clear_shifts();
+                if (uni(0, 500) == 0) t.clear();
+        }
+        check_indexes(t);
+    }
+}
+
+TEST_CASE("move_pos accumulates the shift as current minus original position") {
+    kvcache::cell_table t(4, 2);
+    t.occupy(1, 10, kvcache::seq_set::of(0));
+    t.move_pos(1, 15);
+    t.move_pos(1, 3);
+    CHECK(t.shift(1) == -7);
+    CHECK(t.n_shifted() == 1);
+    t.move_pos(1, 10);
+    CHECK(t.shift(1) == 0);
+    CHECK(t.n_shifted() == 0);
+}
