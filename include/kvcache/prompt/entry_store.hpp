@@ -1,0 +1,193 @@
+// kvcache: how the global prompt cache keeps the K/V state of its entries (F21).
+//
+// An entry store saves the cells of one sequence and loads them back into a
+// (possibly different) sequence. Two stores are provided:
+//   - copy_store:   copies the cells' K/V bytes out of the cache (llama-server's
+//                   behaviour; the state survives anything the cache does later).
+//   - shared_store: keeps the entry as an extra sequence of the same cache that
+//                   shares the cells (seq_cp, no data copy). A hit shares the cells
+//                   again; a later seq_add on the slot copies a shared cell first
+//                   (copy-on-write, F5). A paged layout shares blocks the same way.
+//
+// Required members of a store S for a cache type C (checked by entry_store<S, C>):
+//   1. typename S::handle;                                   movable saved state
+//   2. result<handle> save(C&, seq_id_t seq);                 state of every cell of seq
+//   3. result<void> load(C&, seq_id_t dst, const handle&);    dst must be empty; on error dst stays empty
+//   4. std::size_t bytes(const C&, const handle&) const;      bytes the entry accounts for
+//   5. void release(C&, handle&);                             frees what save() took
+#pragma once
+
+#include <algorithm>  // std::sort
+#include <concepts>   // std::same_as
+#include <cstddef>    // std::size_t
+#include <cstdint>    // fixed-width integers
+#include <string>     // messages
+#include <utility>    // std::as_const
+#include <vector>     // saved data
+
+#include "../detail/policy_select.hpp"
+#include "../error.hpp"
+#include "../model_shape.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+
+template <class S, class C>
+concept entry_store = requires(S& s, const S& cs, C& c, const C& cc, seq_id_t seq, typename S::handle& h) {
+    { s.save(c, seq) } -> std::same_as<result<typename S::handle>>;
+    { s.load(c, seq, std::as_const(h)) } -> std::same_as<result<void>>;
+    { cs.bytes(cc, std::as_const(h)) } -> std::convertible_to<std::size_t>;
+    s.release(c, h);
+};
+
+namespace detail {
+/// Cells of sequence s in increasing position order.
+template <class Cache>
+std::vector<std::uint32_t> seq_cells_by_pos(const Cache& cache, seq_id_t s) {
+    std::vector<std::pair<pos_t, std::uint32_t>> v;
+    const auto& cells = cache.cells();
+    for (std::uint32_t c : cells.used_cells())
+        if (cells.seqs(c).test(s)) v.emplace_back(cells.pos(c), c);
+    std::sort(v.begin(), v.end());
+    std::vector<std::uint32_t> out(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out[i] = v[i].second;
+    return out;
+}
+}  // namespace detail
+
+/// Copies an entry's K/V out of the cache (raw storage elements, bit-exact) and back in.
+template <class Cache>
+class copy_store {
+public:
+    using storage_type = typename Cache::storage_type;
+    /// Handles are plain data: copying one copies the saved state.
+    static constexpr bool copyable_handles = true;
+    /// Saved cells: positions, pending K-shift deltas, then per layer, per cell, K then V elements.
+    struct handle {
+        std::vector<pos_t> pos;
+        std::vector<std::int32_t> shift;
+        std::vector<storage_type> data;
+    };
+
+    /// Copies every cell of seq.
+    result<handle> save(Cache& cache, seq_id_t seq) {
+        const auto cells = detail::seq_cells_by_pos(cache, seq);
+        const model_shape& sh = cache.shape();
+        const std::size_t row = sh.k_row_size() + sh.v_row_size();
+        handle h;
+        h.pos.reserve(cells.size());
+        h.shift.reserve(cells.size());
+        for (std::uint32_t c : cells) {
+            h.pos.push_back(cache.cells().pos(c));
+            h.shift.push_back(cache.cells().shift(c));
+        }
+        h.data.resize(row * cells.size() * sh.n_layer);
+        storage_type* out = h.data.data();
+        for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
+            const auto v = cache.storage().view(l);
+            for (std::uint32_t c : cells) {
+                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
+                    for (std::uint32_t d = 0; d < v.dim_k; ++d) *out++ = v.k[v.k_offset(hd, c, d)];
+                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
+                    for (std::uint32_t d = 0; d < v.dim_v; ++d) *out++ = v.v[v.v_offset(hd, c, d)];
+            }
+        }
+        return h;
+    }
+
+    /// Places the saved cells into the empty sequence dst and writes their K/V back.
+    result<void> load(Cache& cache, seq_id_t dst, const handle& h) {
+        if (cache.seq_pos_max(dst) >= 0)
+            return detail::make_error(errc::invalid_argument,
+                                      "copy_store::load: destination sequence " + std::to_string(dst) + " is not empty");
+        const model_shape& sh = cache.shape();
+        const std::size_t row = sh.k_row_size() + sh.v_row_size();
+        if (h.data.size() != row * h.pos.size() * sh.n_layer || h.shift.size() != h.pos.size())
+            return detail::make_error(errc::shape_mismatch, "copy_store::load: entry holds " +
+                                                                std::to_string(h.data.size()) + " elements for " +
+                                                                std::to_string(h.pos.size()) + " cells, expected " +
+                                                                std::to_string(row * h.pos.size() * sh.n_layer));
+        if (h.pos.empty()) return {};
+        std::vector<seq_id_t> seqs(h.pos.size(), dst);
+        auto placed = cache.place(h.pos, seqs);
+        if (!placed) return detail::make_error(placed.code(), "copy_store::load: " + placed.message());
+        const auto& cells = placed.value().cells;
+        const storage_type* in = h.data.data();
+        for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
+            const auto v = cache.storage().view(l);
+            for (std::uint32_t c : cells) {
+                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
+                    for (std::uint32_t d = 0; d < v.dim_k; ++d) v.k[v.k_offset(hd, c, d)] = *in++;
+                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
+                    for (std::uint32_t d = 0; d < v.dim_v; ++d) v.v[v.v_offset(hd, c, d)] = *in++;
+            }
+        }
+        static_cast<void>(cache.commit());
+        auto& table = cache.cells_for_update(detail::internal_access{});
+        for (std::size_t i = 0; i < cells.size(); ++i) table.set_shift(cells[i], h.shift[i]);
+        return {};
+    }
+
+    /// Bytes of the copied K/V plus per-cell metadata.
+    [[nodiscard]] std::size_t bytes(const Cache&, const handle& h) const noexcept {
+        return h.data.size() * sizeof(storage_type) + h.pos.size() * (sizeof(pos_t) + sizeof(std::int32_t));
+    }
+    void release(Cache&, handle& h) noexcept {
+        h = handle{};
+    }
+};
+
+/// Keeps entries as extra sequences of the same cache that share the cells (no copy).
+/// Sequence ids [first_seq, first_seq + n_seq) are reserved for entries; the host must not use them.
+template <class Cache>
+class shared_store {
+public:
+    /// The entry's sequence id.
+    struct handle {
+        seq_id_t seq = -1;
+    };
+
+    shared_store(seq_id_t first_seq, std::uint32_t n_seq) {
+        if (first_seq < 0) detail::fail(errc::invalid_argument, "shared_store: first_seq = " + std::to_string(first_seq) + ", must be >= 0");
+        for (std::uint32_t i = n_seq; i > 0; --i) free_.push_back(first_seq + static_cast<seq_id_t>(i - 1));
+    }
+
+    /// Shares every cell of seq with a reserved sequence (seq_cp). Error no_space when every
+    /// reserved sequence id holds an entry.
+    result<handle> save(Cache& cache, seq_id_t seq) {
+        if (free_.empty())
+            return detail::make_error(errc::no_space, "shared_store::save: every reserved sequence id holds an entry");
+        const seq_id_t e = free_.back();
+        if (static_cast<std::uint32_t>(e) >= cache.shape().n_seq_max)
+            detail::fail(errc::invalid_argument, "shared_store: reserved sequence " + std::to_string(e) +
+                                                     " is not below n_seq_max = " + std::to_string(cache.shape().n_seq_max));
+        cache.seq_rm(e, -1, -1);
+        cache.seq_cp(seq, e, -1, -1);
+        free_.pop_back();
+        return handle{e};
+    }
+    /// Shares the entry's cells with the empty sequence dst.
+    result<void> load(Cache& cache, seq_id_t dst, const handle& h) {
+        if (cache.seq_pos_max(dst) >= 0)
+            return detail::make_error(errc::invalid_argument,
+                                      "shared_store::load: destination sequence " + std::to_string(dst) + " is not empty");
+        cache.seq_cp(h.seq, dst, -1, -1);
+        return {};
+    }
+    /// Bytes of the cells the entry keeps alive (shared cells counted in full).
+    [[nodiscard]] std::size_t bytes(const Cache& cache, const handle& h) const {
+        return std::size_t{cache.cells().seq_cell_count(h.seq)} * cache.bytes_per_token();
+    }
+    void release(Cache& cache, handle& h) {
+        if (h.seq < 0) return;
+        cache.seq_rm(h.seq, -1, -1);
+        free_.push_back(h.seq);
+        h.seq = -1;
+    }
+    /// Reserved sequence ids not holding an entry.
+    [[nodiscard]] std::size_t n_free() const noexcept { return free_.size(); }
+
+private:
+    std::vector<seq_id_t> free_;  // reserved ids without an entry
+};
+
+KVCACHE_END_NAMESPACE

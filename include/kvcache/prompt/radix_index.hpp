@@ -1,0 +1,310 @@
+// kvcache: a radix tree over prompts, the index of the global prompt cache (F21).
+//
+// Keys are prompts turned into one 64-bit symbol per position: a text token is
+// its id (< 2^31); a media position is a hash of (chunk id, n_pos, offset) with
+// the top bit set, so text never equals media and two chunks compare by id and
+// length. Each tenant (salt) has its own tree, so lookups never cross tenants.
+//
+// Each node keeps the length of the shortest entry in its subtree and, per
+// child, that child's shortest entry (an ordered set). A lookup walks the
+// request once, O(request length), and then reports one candidate per depth d
+// of the walk, deepest first: the shortest entry whose key shares exactly d
+// symbols with the request (best f_keep = d / length for that d). Candidate
+// lookups never scan entries; insert and erase cost O(key length + path nodes
+// x log fan-out).
+#pragma once
+
+#include <cstddef>        // std::size_t
+#include <cstdint>        // fixed-width integers
+#include <limits>         // no-entry marker
+#include <memory>         // std::unique_ptr
+#include <set>            // per-node child minima
+#include <unordered_map>  // children by first symbol, trees by salt
+#include <utility>        // std::pair
+#include <vector>         // labels
+
+#include "prompt_tokens.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+
+/// Key symbol of one prompt position.
+using key_symbol = std::uint64_t;
+
+namespace detail {
+[[nodiscard]] constexpr std::uint64_t mix64(std::uint64_t x) noexcept {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+}  // namespace detail
+
+/// Appends the key symbols of p (one per position) to out, after clearing it.
+inline void key_symbols(const prompt_tokens& p, std::vector<key_symbol>& out) {
+    const auto t = p.tokens();
+    out.resize(t.size());
+    for (std::size_t i = 0; i < t.size(); ++i) out[i] = static_cast<key_symbol>(static_cast<std::uint32_t>(t[i]));
+    for (const media_chunk& c : p.media()) {
+        const std::uint64_t h = detail::mix64(c.id ^ detail::mix64(c.n_pos));
+        for (std::uint32_t k = 0; k < c.n_pos; ++k)
+            out[c.begin + k] = (std::uint64_t{1} << 63) | (detail::mix64(h + k) >> 1);
+    }
+}
+
+/// Radix tree from (salt, key) to an entry id; at most one entry per (salt, key).
+class radix_index {
+public:
+    using entry_id = std::uint64_t;
+    static constexpr std::uint32_t no_entry_len = std::numeric_limits<std::uint32_t>::max();
+
+    /// A lookup candidate: entry `id` of `len` symbols shares exactly `lcp` symbols with the request.
+    struct candidate {
+        entry_id id = 0;
+        std::uint32_t lcp = 0;
+        std::uint32_t len = 0;
+    };
+
+    /// Number of entries.
+    [[nodiscard]] std::size_t size() const noexcept { return n_entries_; }
+    /// Number of nodes (roots included), for memory accounting and tests.
+    [[nodiscard]] std::size_t node_count() const noexcept { return n_nodes_; }
+
+    /// Entry stored at exactly this key, if any.
+    [[nodiscard]] const entry_id* find(std::uint64_t salt, std::span<const key_symbol> key) const {
+        const auto r = roots_.find(salt);
+        if (r == roots_.end()) return nullptr;
+        const walk_result w = walk(*r->second, key);
+        if (w.consumed != key.size() || w.partial != nullptr || !w.path.back()->has_entry) return nullptr;
+        return &w.path.back()->entry;
+    }
+
+    /// Stores entry id at key; returns false (and changes nothing) if the key already has one.
+    bool insert(std::uint64_t salt, std::span<const key_symbol> key, entry_id id) {
+        auto& root = roots_[salt];
+        if (!root) {
+            root = std::make_unique<node>();
+            ++n_nodes_;
+        }
+        walk_result w = walk(*root, key);
+        node* at = w.path.back();
+        if (w.partial != nullptr) at = split(*at, *w.partial, w.partial_len);
+        if (w.consumed < key.size()) {
+            auto leaf = std::make_unique<node>();
+            leaf->label.assign(key.begin() + static_cast<std::ptrdiff_t>(w.consumed), key.end());
+            leaf->parent = at;
+            leaf->depth = static_cast<std::uint32_t>(key.size());
+            node* raw = leaf.get();
+            at->children.emplace(leaf->label.front(), std::move(leaf));
+            ++n_nodes_;
+            at = raw;
+        } else if (at->has_entry) {
+            return false;
+        }
+        at->has_entry = true;
+        at->entry = id;
+        ++n_entries_;
+        refresh(at);
+        return true;
+    }
+
+    /// Removes the entry at key; returns false if there is none.
+    bool erase(std::uint64_t salt, std::span<const key_symbol> key) {
+        const auto r = roots_.find(salt);
+        if (r == roots_.end()) return false;
+        walk_result w = walk(*r->second, key);
+        if (w.consumed != key.size() || w.partial != nullptr || !w.path.back()->has_entry) return false;
+        node* n = w.path.back();
+        n->has_entry = false;
+        --n_entries_;
+        refresh(n);
+        prune(n);
+        if (r->second->children.empty() && !r->second->has_entry) {
+            roots_.erase(r);
+            --n_nodes_;
+        }
+        return true;
+    }
+
+    /// Entries whose keys are prefixes of key (key itself included), as (id, length).
+    [[nodiscard]] std::vector<std::pair<entry_id, std::uint32_t>> prefixes_of(std::uint64_t salt,
+                                                                            std::span<const key_symbol> key) const {
+        std::vector<std::pair<entry_id, std::uint32_t>> out;
+        const auto r = roots_.find(salt);
+        if (r == roots_.end()) return out;
+        const walk_result w = walk(*r->second, key);
+        for (const node* n : w.path)
+            if (n->has_entry) out.emplace_back(n->entry, n->depth);
+        return out;
+    }
+
+    /// Whether some entry's key starts with key (key itself included).
+    [[nodiscard]] bool has_extension(std::uint64_t salt, std::span<const key_symbol> key) const {
+        const auto r = roots_.find(salt);
+        if (r == roots_.end()) return false;
+        const walk_result w = walk(*r->second, key);
+        if (w.consumed != key.size()) return false;
+        const node* n = w.partial != nullptr ? w.partial : w.path.back();
+        return n->sub_min != no_entry_len;
+    }
+
+    /// Calls f(candidate) for each depth d >= 1 the request's walk reaches, deepest first,
+    /// with the shortest entry that shares exactly d symbols with key; stops when f returns false.
+    /// O(key length + path nodes): no entry is scanned.
+    template <class F>
+    void candidates(std::uint64_t salt, std::span<const key_symbol> key, F&& f) const {
+        const auto r = roots_.find(salt);
+        if (r == roots_.end()) return;
+        const walk_result w = walk(*r->second, key);
+        const node* on_path = nullptr;  // child of the current path node that the request follows
+        if (w.partial != nullptr) {
+            const std::uint32_t lcp = w.path.back()->depth + w.partial_len;
+            if (w.partial->sub_min != no_entry_len &&
+                !f(candidate{shortest_in(*w.partial), lcp, w.partial->sub_min}))
+                return;
+            on_path = w.partial;
+        }
+        for (auto it = w.path.rbegin(); it != w.path.rend(); ++it) {
+            const node* n = *it;
+            if (n->depth == 0) break;
+            std::uint32_t best = no_entry_len;
+            entry_id id = 0;
+            if (n->has_entry) {
+                best = n->depth;
+                id = n->entry;
+            } else {
+                for (const auto& [len, sym] : n->child_mins) {
+                    if (on_path != nullptr && sym == on_path->label.front()) continue;
+                    best = len;
+                    id = shortest_in(*n->children.at(sym));
+                    break;
+                }
+            }
+            if (best != no_entry_len && !f(candidate{id, n->depth, best})) return;
+            on_path = n;
+        }
+    }
+
+    /// Removes every entry.
+    void clear() noexcept {
+        roots_.clear();
+        n_entries_ = 0;
+        n_nodes_ = 0;
+    }
+
+private:
+    struct node {
+        std::vector<key_symbol> label;  // edge from the parent; empty only for a root
+        node* parent = nullptr;
+        std::uint32_t depth = 0;        // symbols from the root to the end of this node
+        bool has_entry = false;
+        entry_id entry = 0;             // valid when has_entry
+        std::unordered_map<key_symbol, std::unique_ptr<node>> children;  // by first label symbol
+        // Shortest entry length in this subtree; no_entry_len when it holds none. Every
+        // non-root node holds an entry in its subtree (empty leaves are pruned).
+        std::uint32_t sub_min = no_entry_len;
+        std::set<std::pair<std::uint32_t, key_symbol>> child_mins;  // (child sub_min, child first symbol)
+    };
+
+    struct walk_result {
+        std::vector<node*> path;     // fully matched nodes from the root
+        node* partial = nullptr;     // child whose label matched partially (partial_len >= 1)
+        std::uint32_t partial_len = 0;
+        std::size_t consumed = 0;    // symbols of the key matched
+    };
+
+    static walk_result walk(const node& root, std::span<const key_symbol> key) {
+        walk_result w;
+        node* n = const_cast<node*>(&root);  // the tree owns its nodes; constness is restored by the callers
+        w.path.push_back(n);
+        std::size_t i = 0;
+        while (i < key.size()) {
+            const auto it = n->children.find(key[i]);
+            if (it == n->children.end()) break;
+            node* c = it->second.get();
+            const std::size_t lim = std::min(c->label.size(), key.size() - i);
+            std::size_t m = 1;
+            while (m < lim && c->label[m] == key[i + m]) ++m;
+            i += m;
+            if (m < c->label.size()) {
+                w.partial = c;
+                w.partial_len = static_cast<std::uint32_t>(m);
+                break;
+            }
+            n = c;
+            w.path.push_back(n);
+        }
+        w.consumed = i;
+        return w;
+    }
+
+    /// Splits child c of p after m label symbols; returns the new middle node.
+    node* split(node& p, node& c, std::uint32_t m) {
+        auto mid = std::make_unique<node>();
+        mid->label.assign(c.label.begin(), c.label.begin() + m);
+        mid->parent = &p;
+        mid->depth = p.depth + m;
+        mid->sub_min = c.sub_min;
+        const key_symbol first = c.label.front();
+        std::unique_ptr<node> owned = std::move(p.children.at(first));
+        c.label.erase(c.label.begin(), c.label.begin() + m);
+        c.parent = mid.get();
+        if (c.sub_min != no_entry_len) mid->child_mins.emplace(c.sub_min, c.label.front());
+        mid->children.emplace(c.label.front(), std::move(owned));
+        node* raw = mid.get();
+        p.children.at(first) = std::move(mid);
+        ++n_nodes_;
+        return raw;
+    }
+
+    /// Recomputes sub_min of n and its ancestors after n's entry or children changed.
+    static void refresh(node* n) {
+        while (n != nullptr) {
+            const std::uint32_t now =
+                n->has_entry ? n->depth : (n->child_mins.empty() ? no_entry_len : n->child_mins.begin()->first);
+            if (now == n->sub_min) return;
+            node* p = n->parent;
+            if (p != nullptr) {
+                const key_symbol first = n->label.front();
+                if (n->sub_min != no_entry_len) p->child_mins.erase({n->sub_min, first});
+                if (now != no_entry_len) p->child_mins.emplace(now, first);
+            }
+            n->sub_min = now;
+            n = p;
+        }
+    }
+
+    /// Removes n if it became an empty leaf and merges single-child nodes without an entry.
+    void prune(node* n) {
+        while (n->parent != nullptr && !n->has_entry && n->children.empty()) {
+            node* p = n->parent;
+            p->children.erase(n->label.front());
+            --n_nodes_;
+            n = p;
+        }
+        if (n->parent != nullptr && !n->has_entry && n->children.size() == 1) {
+            std::unique_ptr<node> c = std::move(n->children.begin()->second);
+            n->children.clear();
+            n->label.insert(n->label.end(), c->label.begin(), c->label.end());
+            n->depth = c->depth;
+            n->has_entry = c->has_entry;
+            n->entry = c->entry;
+            n->children = std::move(c->children);
+            for (auto& [sym, gc] : n->children) gc->parent = n;
+            n->child_mins = std::move(c->child_mins);
+            --n_nodes_;
+        }
+    }
+
+    /// Id of an entry of length n.sub_min in n's subtree.
+    static entry_id shortest_in(const node& start) {
+        const node* n = &start;
+        while (!(n->has_entry && n->depth == n->sub_min)) n = n->children.at(n->child_mins.begin()->second).get();
+        return n->entry;
+    }
+
+    std::unordered_map<std::uint64_t, std::unique_ptr<node>> roots_;  // one tree per salt
+    std::size_t n_entries_ = 0;
+    std::size_t n_nodes_ = 0;  // every node of every tree, roots included
+};
+
+KVCACHE_END_NAMESPACE

@@ -1,0 +1,390 @@
+// kvcache: slots, the host's entry point to prefix reuse across requests
+// (F19-F23). A slot owns one sequence of the cache and the tokens it holds.
+//
+//   kvcache::slot_manager slots(cache, {.n_slots = 2});
+//   auto p = slots.prepare(request, {.salt = tenant});  // picks a slot, reuses what it can
+//   // (chunks moved by chunk_shift were already rotated: slot_options::apply_k_shift)
+//   // compute request positions [p.n_past, p.n_request) into sequence p.seq
+//   slots.commit_prompt(p.slot);
+//   // per generated token placed at position slots.tokens(p.slot).size():
+//   slots.append(p.slot, token);
+//   slots.release(p.slot);                             // idle; saved to the global cache
+//
+// What is reused is decided by the cache's reuse policy (Cache::reuse):
+// reuse::none (nothing), reuse::lcp, reuse::chunk_shift<N>, reuse::global<Base, Eviction>.
+#pragma once
+
+#include <algorithm>    // std::max
+#include <cstddef>      // std::size_t
+#include <cstdint>      // fixed-width integers
+#include <optional>     // global cache
+#include <string>       // messages
+#include <type_traits>  // std::is_copy_constructible_v
+#include <utility>      // std::move
+#include <variant>      // std::monostate
+#include <vector>       // slots
+
+#include "../error.hpp"
+#include "../ops/kshift.hpp"
+#include "../reuse/chunk_shift.hpp"
+#include "../reuse/global.hpp"
+#include "../reuse/lcp.hpp"
+#include "../reuse/plan.hpp"
+#include "entry_store.hpp"
+#include "prompt_cache.hpp"
+#include "prompt_tokens.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+
+/// Configuration of a slot_manager.
+struct slot_options {
+    std::uint32_t n_slots = 1;        ///< number of slots (>= 1)
+    seq_id_t first_seq = 0;           ///< slot i uses sequence first_seq + i
+    double similarity = 0.1;          ///< F22: minimum lcp / request length to prefer a slot by prefix
+    std::uint32_t n_swa = 0;          ///< F23: sliding window of the cache (0: full attention, no checkpoints)
+    std::uint32_t max_checkpoints = 8;  ///< F23: checkpoints kept per slot (oldest dropped)
+    prompt_cache_limits cache_limits{};  ///< F21: limits of the global prompt cache (reuse::global only)
+    bool apply_k_shift = true;        ///< F20: rotate moved K in prepare (else the host calls ops::apply_k_shift)
+    int n_threads = 0;                ///< threads of that K-shift (<= 0: OpenMP default)
+};
+
+/// Per-request options.
+struct request_options {
+    bool cache_prompt = true;  ///< false: recompute the whole prompt (nothing reused)
+    int slot_id = -1;          ///< >= 0: use this slot (it must be idle)
+    std::uint64_t salt = 0;    ///< tenant namespace: state is never reused across salts
+    std::int32_t priority = 0;  ///< priority of the entry saved on release (reuse::evict_priority)
+    bool pin = false;          ///< the entry saved on release is never evicted
+};
+
+/// Where a request's tokens came from.
+struct request_metrics {
+    std::uint32_t n_request = 0;    ///< request positions
+    std::uint32_t from_slot = 0;    ///< kept from the slot's own state (LCP)
+    std::uint32_t from_global = 0;  ///< kept from a global prompt cache entry (LCP)
+    std::uint32_t from_shift = 0;   ///< moved into place by chunk shifting
+    std::uint32_t computed = 0;     ///< the host must compute these
+    bool checkpoint_restored = false;  ///< an SWA checkpoint was loaded (F23)
+};
+
+/// The answer of slot_manager::prepare.
+struct prepared_request {
+    int slot = -1;             ///< slot serving the request
+    seq_id_t seq = -1;         ///< the slot's sequence
+    std::uint32_t n_past = 0;  ///< request positions [0, n_past) are in the cache at positions [0, n_past)
+    std::uint32_t n_request = 0;  ///< compute request positions [n_past, n_request)
+    reuse::plan plan;          ///< the reuse plan that was applied
+    bool k_shift_pending = false;  ///< chunks moved: rotate K (ops::apply_k_shift) before attention
+    request_metrics metrics;
+};
+
+/// Slots over one kv_cache, with the reuse policy of Cache and, for reuse::global, a
+/// global prompt cache whose entries are kept by Store (copy_store or shared_store).
+template <class Cache, class Store = copy_store<Cache>>
+class slot_manager {
+    using policy = typename Cache::reuse;
+    using traits = reuse::reuse_traits<policy>;
+    using eviction = typename reuse::eviction_of<policy>::type;
+
+public:
+    using cache_type = prompt_cache<Cache, Store, eviction>;
+    using checkpoint = typename cache_type::checkpoint;
+
+    /// Throws kvcache::error(invalid_argument) naming a bad option (slots beyond n_seq_max, ...).
+    slot_manager(Cache& cache, slot_options opt, Store store = Store{}) : cache_(&cache), opt_(opt) {
+        using std::to_string;
+        if (opt.n_slots == 0) detail::fail(errc::invalid_argument, "slot_manager: n_slots = 0, must be >= 1");
+        if (opt.first_seq < 0 || std::uint64_t(opt.first_seq) + opt.n_slots > cache.shape().n_seq_max)
+            detail::fail(errc::invalid_argument, "slot_manager: sequences [" + to_string(opt.first_seq) + ", " +
+                                                     to_string(std::int64_t{opt.first_seq} + opt.n_slots) +
+                                                     ") do not fit n_seq_max = " + to_string(cache.shape().n_seq_max));
+        if (!(opt.similarity >= 0.0 && opt.similarity <= 1.0))
+            detail::fail(errc::invalid_argument,
+                         "slot_manager: similarity = " + std::to_string(opt.similarity) + ", must be in [0, 1]");
+        slots_.resize(opt.n_slots);
+        if constexpr (traits::global_cache)
+            global_.emplace(opt.cache_limits, std::move(store));
+        else
+            own_store_ = std::move(store);
+    }
+    slot_manager(const slot_manager&) = delete;
+    slot_manager& operator=(const slot_manager&) = delete;
+
+    [[nodiscard]] std::uint32_t n_slots() const noexcept { return static_cast<std::uint32_t>(slots_.size()); }
+    [[nodiscard]] seq_id_t seq_of(int slot) const { return opt_.first_seq + check_slot("seq_of", slot); }
+    /// Tokens the slot's sequence holds.
+    [[nodiscard]] const prompt_tokens& tokens(int slot) const { return slots_[check_slot("tokens", slot)].tokens; }
+    [[nodiscard]] bool busy(int slot) const { return slots_[check_slot("busy", slot)].busy; }
+    [[nodiscard]] std::size_t n_checkpoints(int slot) const { return slots_[check_slot("n_checkpoints", slot)].checkpoints.size(); }
+    /// Whether the reuse policy keeps a global prompt cache.
+    static constexpr bool has_global_cache = traits::global_cache;
+    /// The global prompt cache (reuse::global only).
+    [[nodiscard]] cache_type& global_cache() requires traits::global_cache { return *global_; }
+    /// Cumulative prefix-cache counters (zero without a global cache).
+    [[nodiscard]] prefix_cache_metrics metrics() const {
+        if constexpr (traits::global_cache) return global_->metrics();
+        else return {};
+    }
+
+    /// Picks a slot for `request` and makes its sequence hold the longest reusable prefix:
+    /// global cache entry or slot state (F21), LCP (F19), chunk shift (F20), SWA checkpoint
+    /// (F23). The host then computes request positions [n_past, n_request) into sequence
+    /// `seq` and calls commit_prompt(slot). Throws kvcache::error: invalid_argument (empty
+    /// request, bad or busy slot_id), no_space (every slot busy), transaction_open.
+    prepared_request prepare(const prompt_tokens& request, const request_options& ro = {}) {
+        using std::to_string;
+        if (request.empty()) detail::fail(errc::invalid_argument, "slot_manager::prepare: the request has no tokens");
+        if (cache_->in_transaction())
+            detail::fail(errc::transaction_open, "slot_manager::prepare: placements are staged; commit() or restore() first");
+        const bool reuse_on = traits::enabled && ro.cache_prompt;
+        const int id = pick_slot(request, ro, reuse_on);
+        slot& s = slots_[static_cast<std::size_t>(id)];
+        const seq_id_t seq = opt_.first_seq + id;
+        prepared_request out;
+        out.slot = id;
+        out.seq = seq;
+        out.n_request = static_cast<std::uint32_t>(request.size());
+        out.metrics.n_request = out.n_request;
+
+        if (s.salt != ro.salt) drop_state(s, seq);  // tenant isolation: never reuse another tenant's state
+        s.salt = ro.salt;
+        bool from_global = false;
+        if constexpr (traits::global_cache) {
+            if (reuse_on) {
+                const std::size_t slot_lcp = s.tokens.common_prefix(request);
+                if (auto sel = global_->find(request, ro.salt, slot_lcp, s.tokens.size())) {
+                    drop_state(s, seq);
+                    auto got = global_->load(*cache_, seq, sel->id);
+                    if (got) {
+                        s.tokens = std::move(got.value().tokens);
+                        s.checkpoints = std::move(got.value().checkpoints);
+                        s.hits = got.value().hits;
+                        from_global = true;
+                    }
+                }
+            }
+        }
+
+        reuse::plan_options po;
+        po.cache_prompt = reuse_on;
+        po.min_chunk = opt_.n_swa > 0 ? 0 : traits::min_chunk;
+        po.can_shift = Cache::layout::can_shift;
+        reuse::plan plan = reuse::make_plan(s.tokens, request, po);
+        if (opt_.n_swa > 0 && plan.n_past > 0) plan = swa_adjust(s, seq, request, plan, out.metrics);
+        reuse::apply_plan(*cache_, seq, plan);
+        if constexpr (Cache::layout::can_shift)
+            if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
+        s.tokens = request;
+        s.tokens.keep_first(plan.n_past);
+        std::erase_if(s.checkpoints, [&](checkpoint& ck) {
+            if (ck.pos_max < static_cast<pos_t>(plan.n_past)) return false;
+            store().release(*cache_, ck.state);
+            return true;
+        });
+        if constexpr (traits::global_cache) make_room(plan.n_compute());
+
+        const std::uint32_t kept = plan.n_past - plan.n_shifted();
+        (from_global ? out.metrics.from_global : out.metrics.from_slot) = kept;
+        out.metrics.from_shift = plan.n_shifted();
+        out.metrics.computed = plan.n_compute();
+        out.n_past = plan.n_past;
+        out.k_shift_pending = cache_->has_shift();
+        out.plan = std::move(plan);
+        s.busy = true;
+        s.last_used = ++clock_;
+        s.pending = request;
+        s.has_pending = true;
+        s.opts = ro;
+        last_ = out.metrics;
+        return out;
+    }
+
+    /// The host computed every position of the prepared request into the slot's sequence:
+    /// the slot's tokens become the request. Throws invalid_argument if the slot has no
+    /// prepared request or its sequence does not end at the request's last position.
+    void commit_prompt(int slot_id) {
+        slot& s = slots_[check_slot("commit_prompt", slot_id)];
+        if (!s.busy || !s.has_pending)
+            detail::fail(errc::invalid_argument, "slot_manager::commit_prompt: slot " + std::to_string(slot_id) +
+                                                     " has no prepared request");
+        const pos_t want = static_cast<pos_t>(s.pending.size()) - 1;
+        const pos_t got = cache_->seq_pos_max(opt_.first_seq + slot_id);
+        if (got != want)
+            detail::fail(errc::invalid_argument, "slot_manager::commit_prompt: sequence " +
+                                                     std::to_string(opt_.first_seq + slot_id) + " ends at position " +
+                                                     std::to_string(got) + ", the request needs " + std::to_string(want));
+        s.tokens = std::move(s.pending);
+        s.pending.clear();
+        s.has_pending = false;
+    }
+
+    /// A generated token was placed at position tokens(slot).size() of the slot's sequence.
+    void append(int slot_id, token_t t) {
+        slot& s = slots_[check_slot("append", slot_id)];
+        if (!s.busy || s.has_pending)
+            detail::fail(errc::invalid_argument, "slot_manager::append: slot " + std::to_string(slot_id) +
+                                                     " is not generating (prepare and commit_prompt first)");
+        const pos_t got = cache_->seq_pos_max(opt_.first_seq + slot_id);
+        if (got != static_cast<pos_t>(s.tokens.size()))
+            detail::fail(errc::invalid_argument, "slot_manager::append: sequence ends at position " +
+                                                     std::to_string(got) + ", expected the new token at " +
+                                                     std::to_string(s.tokens.size()));
+        s.tokens.push_back(t);
+    }
+
+    /// Saves the slot's sliding-window state at its current positions (F23); the oldest
+    /// checkpoint is dropped beyond max_checkpoints. Throws no_space if the store refuses.
+    void save_checkpoint(int slot_id) {
+        slot& s = slots_[check_slot("save_checkpoint", slot_id)];
+        const seq_id_t seq = opt_.first_seq + slot_id;
+        if (cache_->seq_pos_max(seq) < 0) return;
+        auto h = store().save(*cache_, seq);
+        if (!h) detail::fail(h.code(), "slot_manager::save_checkpoint: " + h.message());
+        s.checkpoints.push_back({cache_->seq_pos_min(seq), cache_->seq_pos_max(seq), std::move(h).value()});
+        while (s.checkpoints.size() > std::max<std::uint32_t>(1, opt_.max_checkpoints)) {
+            store().release(*cache_, s.checkpoints.front().state);
+            s.checkpoints.erase(s.checkpoints.begin());
+        }
+    }
+
+    /// Ends the slot's request: the slot becomes idle and keeps its tokens and K/V; with
+    /// reuse::global its state is also saved into the global prompt cache (F21).
+    void release(int slot_id) {
+        slot& s = slots_[check_slot("release", slot_id)];
+        if (!s.busy) return;
+        s.busy = false;
+        s.has_pending = false;
+        s.pending.clear();
+        if constexpr (traits::global_cache) {
+            if (s.opts.cache_prompt && !s.tokens.empty()) {
+                std::vector<checkpoint> cks;
+                if constexpr (std::is_copy_constructible_v<typename Store::handle> && copyable_handles)
+                    cks = s.checkpoints;
+                global_->save(*cache_, opt_.first_seq + slot_id, s.tokens,
+                              {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
+            }
+        }
+    }
+
+    /// Empties the slot (its sequence and tokens); the slot must be idle.
+    void clear_slot(int slot_id) {
+        slot& s = slots_[check_slot("clear_slot", slot_id)];
+        if (s.busy) detail::fail(errc::invalid_argument, "slot_manager::clear_slot: slot " + std::to_string(slot_id) + " is busy");
+        drop_state(s, opt_.first_seq + slot_id);
+    }
+
+    /// Metrics of the last prepared request.
+    [[nodiscard]] const request_metrics& last_metrics() const noexcept { return last_; }
+
+private:
+    static constexpr bool copyable_handles = [] {
+        if constexpr (requires { Store::copyable_handles; }) return static_cast<bool>(Store::copyable_handles);
+        else return false;
+    }();
+
+    struct slot {
+        prompt_tokens tokens;       // what the slot's sequence holds, position i = tokens[i]
+        prompt_tokens pending;      // the prepared request until commit_prompt
+        bool has_pending = false;
+        bool busy = false;
+        std::uint64_t last_used = 0;  // logical clock of the last prepare
+        std::uint64_t salt = 0;       // tenant whose state the slot holds
+        std::uint64_t hits = 0;       // global-cache hits of the state (carried into the entry)
+        request_options opts;
+        std::vector<checkpoint> checkpoints;  // F23, increasing pos_max
+    };
+
+    Store& store() {
+        if constexpr (traits::global_cache) return global_->store();
+        else return own_store_;
+    }
+
+    std::size_t check_slot(const char* fn, int slot_id) const {
+        if (slot_id < 0 || static_cast<std::size_t>(slot_id) >= slots_.size())
+            detail::fail(errc::invalid_argument, std::string("slot_manager::") + fn + ": slot = " +
+                                                     std::to_string(slot_id) + ", must be in [0, " +
+                                                     std::to_string(slots_.size()) + ")");
+        return static_cast<std::size_t>(slot_id);
+    }
+
+    /// F22: explicit id, else the idle slot with the longest prefix above the similarity
+    /// threshold (same tenant), else the least recently used idle slot.
+    int pick_slot(const prompt_tokens& request, const request_options& ro, bool reuse_on) const {
+        if (ro.slot_id >= 0) {
+            const std::size_t i = check_slot("prepare", ro.slot_id);
+            if (slots_[i].busy)
+                detail::fail(errc::invalid_argument, "slot_manager::prepare: slot_id = " + std::to_string(ro.slot_id) + " is busy");
+            return ro.slot_id;
+        }
+        int best = -1;
+        std::size_t best_lcp = 0;
+        if (reuse_on) {
+            for (std::size_t i = 0; i < slots_.size(); ++i) {
+                const slot& s = slots_[i];
+                if (s.busy || s.salt != ro.salt) continue;
+                const std::size_t lcp = s.tokens.common_prefix(request);
+                const double sim = static_cast<double>(lcp) / static_cast<double>(request.size());
+                if (lcp > best_lcp && sim > opt_.similarity) {
+                    best = static_cast<int>(i);
+                    best_lcp = lcp;
+                }
+            }
+        }
+        if (best >= 0) return best;
+        for (std::size_t i = 0; i < slots_.size(); ++i)
+            if (!slots_[i].busy && (best < 0 || slots_[i].last_used < slots_[static_cast<std::size_t>(best)].last_used))
+                best = static_cast<int>(i);
+        if (best < 0)
+            detail::fail(errc::no_space, "slot_manager::prepare: every one of the " + std::to_string(slots_.size()) +
+                                             " slots is busy");
+        return best;
+    }
+
+    void drop_state(slot& s, seq_id_t seq) {
+        cache_->seq_rm(seq, -1, -1);
+        s.tokens.clear();
+        s.hits = 0;
+        for (auto& ck : s.checkpoints) store().release(*cache_, ck.state);
+        s.checkpoints.clear();
+    }
+
+    /// F23: a sliding-window sequence cannot re-enter a prefix whose window was overwritten.
+    /// Continue from the newest checkpoint below n_past, or recompute everything.
+    reuse::plan swa_adjust(slot& s, seq_id_t seq, const prompt_tokens& request, const reuse::plan& p,
+                           request_metrics& m) {
+        const std::int64_t thold = std::max<std::int64_t>(0, std::int64_t{p.n_past} - opt_.n_swa);
+        if (cache_->seq_pos_min(seq) <= thold) return p;
+        reuse::plan q;
+        q.n_request = p.n_request;
+        for (auto it = s.checkpoints.rbegin(); it != s.checkpoints.rend(); ++it) {
+            const std::int64_t n = std::int64_t{it->pos_max} + 1;
+            if (n > p.n_past || it->pos_min > std::max<std::int64_t>(0, n - opt_.n_swa)) continue;
+            if (request.cuts_chunk(static_cast<std::size_t>(n))) continue;
+            cache_->seq_rm(seq, -1, -1);
+            if (!store().load(*cache_, seq, it->state)) break;
+            q.n_lcp = q.n_past = static_cast<std::uint32_t>(n);
+            m.checkpoint_restored = true;
+            return q;
+        }
+        cache_->seq_rm(seq, -1, -1);
+        return q;
+    }
+
+    /// shared_store entries hold cells: evict entries until the host's tokens fit.
+    void make_room(std::uint32_t n) {
+        if constexpr (requires(Store& st) { st.n_free(); }) {
+            while (cache_->capacity() - cache_->used() < n && global_->evict_one(*cache_)) {
+            }
+        }
+    }
+
+    Cache* cache_;
+    slot_options opt_;
+    std::vector<slot> slots_;
+    std::optional<cache_type> global_;  // engaged exactly with reuse::global
+    [[no_unique_address]] std::conditional_t<traits::global_cache, std::monostate, Store> own_store_{};
+    std::uint64_t clock_ = 0;
+    request_metrics last_;
+};
+
+KVCACHE_END_NAMESPACE

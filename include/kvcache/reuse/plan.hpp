@@ -1,0 +1,159 @@
+// kvcache: the reuse plan: given the tokens a sequence holds and a new request,
+// what can be kept, what is moved into place by K-shift, and what the host must
+// compute (F19, F20).
+//
+//   cached : [A B C D | x x | E F G H ... (>= min_chunk) | y ...]
+//   request: [A B C D | E F G H ... | z z z]
+//             n_lcp     moved chunk    computed
+//
+// make_plan() is a pure function of the two token lists; apply_plan() performs
+// it on one sequence of a kv_cache with seq_rm / seq_add, after checking that it
+// can succeed, so that a refused plan leaves the cache untouched.
+#pragma once
+
+#include <cstddef>  // std::size_t
+#include <cstdint>  // fixed-width integers
+#include <string>   // messages
+#include <vector>   // moves
+
+#include "../error.hpp"
+#include "../model_shape.hpp"
+#include "../prompt/prompt_tokens.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace reuse {
+
+/// Cached positions [src, src + n) of the sequence are moved to [dst, dst + n), dst < src (F20).
+struct chunk_move {
+    pos_t src = 0;
+    pos_t dst = 0;
+    std::uint32_t n = 0;
+    friend constexpr bool operator==(const chunk_move&, const chunk_move&) = default;
+};
+
+/// What a request reuses from a sequence's cached tokens.
+/// After apply_plan(), the sequence holds exactly request positions [0, n_past);
+/// the host computes request positions [n_past, request.size()).
+struct plan {
+    std::uint32_t n_lcp = 0;         ///< common prefix kept in place
+    std::vector<chunk_move> moves;   ///< chunks moved into place after the prefix, in order
+    std::uint32_t n_past = 0;        ///< n_lcp + every move's n
+    std::uint32_t n_request = 0;     ///< request size
+
+    /// Tokens reused by chunk shifting.
+    [[nodiscard]] std::uint32_t n_shifted() const noexcept {
+        std::uint32_t n = 0;
+        for (const auto& m : moves) n += m.n;
+        return n;
+    }
+    /// Tokens the host must compute: request positions [n_past, n_request).
+    [[nodiscard]] std::uint32_t n_compute() const noexcept { return n_request - n_past; }
+};
+
+/// Inputs of make_plan besides the two token lists.
+struct plan_options {
+    /// false: reuse nothing, recompute the whole request (llama-server's cache_prompt = false).
+    bool cache_prompt = true;
+    /// Minimum run of matching tokens moved by chunk shifting (n_cache_reuse); 0 disables it.
+    std::uint32_t min_chunk = 0;
+    /// Whether the cache can move positions (layout::can_shift); false disables chunk shifting.
+    bool can_shift = true;
+    /// Keep at least the last request token to compute, so the host gets logits (F24):
+    /// an exact repeat recomputes its last token instead of nothing.
+    bool need_logits = true;
+};
+
+/// Plans how `request` reuses `cached` (F19, F20). Never ends inside a media chunk.
+[[nodiscard]] inline plan make_plan(const prompt_tokens& cached, const prompt_tokens& request,
+                                    const plan_options& opt = {}) {
+    plan p;
+    p.n_request = static_cast<std::uint32_t>(request.size());
+    if (!opt.cache_prompt) return p;
+    p.n_lcp = static_cast<std::uint32_t>(cached.common_prefix(request));
+    p.n_past = p.n_lcp;
+    const bool shift_ok = opt.min_chunk > 0 && opt.can_shift && !cached.has_media() && !request.has_media();
+    if (shift_ok) {
+        const auto ct = cached.tokens();
+        const auto rt = request.tokens();
+        std::size_t head_c = p.n_lcp, head_p = p.n_lcp;
+        while (head_c < ct.size() && head_p < rt.size()) {
+            std::size_t n = 0;
+            while (head_c + n < ct.size() && head_p + n < rt.size() && ct[head_c + n] == rt[head_p + n]) ++n;
+            if (n >= opt.min_chunk) {
+                p.moves.push_back({static_cast<pos_t>(head_c), static_cast<pos_t>(head_p), static_cast<std::uint32_t>(n)});
+                p.n_past += static_cast<std::uint32_t>(n);
+                head_c += n;
+                head_p += n;
+            } else {
+                ++head_c;
+            }
+        }
+    }
+    if (opt.need_logits && p.n_request > 0 && p.n_past == p.n_request) {
+        // Recompute the last position (the whole chunk if it is media) to get logits.
+        const auto keep = static_cast<std::uint32_t>(request.chunk_floor(p.n_request - 1));
+        while (!p.moves.empty() && static_cast<std::uint32_t>(p.moves.back().dst) >= keep) {
+            p.n_past -= p.moves.back().n;
+            p.moves.pop_back();
+        }
+        if (!p.moves.empty() && static_cast<std::uint32_t>(p.moves.back().dst) + p.moves.back().n > keep) {
+            const std::uint32_t cut = static_cast<std::uint32_t>(p.moves.back().dst) + p.moves.back().n - keep;
+            p.moves.back().n -= cut;
+            p.n_past -= cut;
+        }
+        if (p.moves.empty()) p.n_lcp = std::min(p.n_lcp, keep);
+        p.n_past = std::min(p.n_past, keep);
+    }
+    return p;
+}
+
+/// Number of free cells apply_plan needs: one per cell of a moved range that `seq` shares
+/// with another sequence (seq_add splits such cells, F5).
+template <class Cache>
+[[nodiscard]] std::uint32_t cells_needed(const Cache& cache, seq_id_t seq, const plan& p) {
+    std::uint32_t n = 0;
+    if (p.moves.empty()) return 0;
+    const auto& cells = cache.cells();
+    for (std::uint32_t c : cells.used_cells()) {
+        if (!cells.seqs(c).test(seq) || cells.seqs(c).count() < 2) continue;
+        const pos_t pos = cells.pos(c);
+        for (const auto& m : p.moves)
+            if (pos >= m.src && pos < m.src + static_cast<pos_t>(m.n)) {
+                ++n;
+                break;
+            }
+    }
+    return n;
+}
+
+/// Performs plan p on sequence seq (F19, F20): for each move, seq_rm the positions between
+/// its destination and source, then seq_add the chunk into place; finally seq_rm every
+/// position >= n_past. Moved cells keep a pending K-shift (cache.has_shift()); apply it with
+/// the K-shift kernel before attention. Throws kvcache::error (no_space, unsupported,
+/// invalid_argument) before changing anything if the plan cannot be applied.
+template <class Cache>
+void apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
+    if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.shape().n_seq_max)
+        detail::fail(errc::invalid_argument, "apply_plan: seq = " + std::to_string(seq) + ", must be in [0, " +
+                                                 std::to_string(cache.shape().n_seq_max) + ")");
+    if (cache.in_transaction())
+        detail::fail(errc::transaction_open, "apply_plan: placements are staged; commit() or restore() first");
+    if (!p.moves.empty()) {
+        if constexpr (!Cache::layout::can_shift)
+            detail::fail(errc::unsupported, "apply_plan: the plan moves chunks but the " +
+                                                std::string(Cache::layout::name) + " layout cannot move positions");
+        const std::uint32_t need = cells_needed(cache, seq, p);
+        if (need > cache.capacity() - cache.used())
+            detail::fail(errc::no_space, "apply_plan: moving chunks needs " + std::to_string(need) +
+                                             " free cells to split shared cells, " +
+                                             std::to_string(cache.capacity() - cache.used()) + " free");
+        for (const auto& m : p.moves) {
+            cache.seq_rm(seq, m.dst, m.src);
+            cache.seq_add(seq, m.src, m.src + static_cast<pos_t>(m.n), m.dst - m.src);
+        }
+    }
+    cache.seq_rm(seq, static_cast<pos_t>(p.n_past), -1);
+}
+
+}  // namespace reuse
+KVCACHE_END_NAMESPACE
