@@ -23,6 +23,7 @@
 #include "layout/contiguous.hpp"
 #include "reuse/none.hpp"
 #include "kv_cache.hpp"
+#include "io/state.hpp"
 #include "ops/rope.hpp"
 #include "ops/kshift.hpp"
 #include "ops/attention.hpp"

@@ -1,0 +1,164 @@
+// kvcache: the state format (F15), version 1, and its byte-level helpers.
+//
+// A state is one little-endian byte string; nothing in it depends on the layout's
+// cell numbering, so a state saved from one layout loads into another with the
+// same model shape and element type.
+//
+//   offset size  field
+//   0      4     magic "KVST"
+//   4      4     format version (1)
+//   8      8     total_size: bytes of the whole state, checksum included
+//   16     4     kind: 0 = whole cache, 1 = one sequence
+//   20     4     flags (0)
+//   24     48    fingerprint: n_layer, n_head_kv, head_dim_k, head_dim_v, element type_id,
+//                element size, rope type, rope n_rot, rope freq_base (f32 bits), rope
+//                freq_scale (f32 bits), layout_id (informational), window (0 = none)
+//   72     4     seq: the saved sequence for kind 1, -1 for kind 0
+//   76     4     reserved (0)
+//   80     8     n_tokens
+//   88     8     n_media
+//   96     8     n_cells
+//   104          tokens:  n_tokens x i32 (null_token at media positions)
+//                media:   n_media x {u64 id, u32 begin, u32 n_pos}
+//                cells:   n_cells x {i32 pos, i32 shift, u32 n_seq, n_seq x i32 seq id}
+//                         (seq ids strictly increasing; for kind 1 exactly {seq})
+//                data:    for each layer: K then V, for each KV head:
+//                           K: ceil(n_cells/16) tiles of [head_dim_k][16 cells] elements
+//                              (the cache's own K tiling; lanes past n_cells are zero)
+//                           V: n_cells rows of head_dim_v elements
+//   end-8  8     XXH3-64 of every byte before it
+//
+// Cells appear in the order of their cell index in the saved cache; the K/V of
+// saved cell i is tile i/16, lane i%16 (K) and row i (V).
+#pragma once
+
+#include <bit>          // std::endian
+#include <cstddef>      // std::byte, std::size_t
+#include <cstdint>      // fixed-width integers
+#include <cstring>      // std::memcpy
+#include <limits>       // overflow checks
+#include <optional>     // checked arithmetic
+#include <span>         // byte views
+#include <string>       // messages
+
+#include "../config.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace io {
+
+static_assert(std::endian::native == std::endian::little,
+              "kvcache state I/O writes little-endian data with memcpy; big-endian hosts are not supported");
+
+/// Magic at offset 0: the bytes "KVST".
+inline constexpr std::uint32_t state_magic = 0x5453564Bu;
+/// Format version written by this library; the only one it reads.
+inline constexpr std::uint32_t state_version = 1;
+/// Bytes before the token list.
+inline constexpr std::size_t state_header_size = 104;
+/// Bytes of the trailing checksum.
+inline constexpr std::size_t state_checksum_size = 8;
+
+/// What a state holds.
+enum class state_kind : std::uint32_t {
+    whole_cache = 0,  ///< every cell of a cache (save_state / load_state)
+    one_sequence = 1, ///< the cells of one sequence (save_seq / load_seq)
+};
+
+namespace detail {
+
+/// Field offsets of the fixed header (see the table above).
+namespace off {
+inline constexpr std::size_t magic = 0, version = 4, total_size = 8, kind = 16, flags = 20;
+inline constexpr std::size_t n_layer = 24, n_head_kv = 28, head_dim_k = 32, head_dim_v = 36;
+inline constexpr std::size_t type_id = 40, elem_size = 44, rope_type = 48, n_rot = 52;
+inline constexpr std::size_t freq_base = 56, freq_scale = 60, layout_id = 64, window = 68;
+inline constexpr std::size_t seq = 72, reserved = 76, n_tokens = 80, n_media = 88, n_cells = 96;
+}  // namespace off
+
+/// a * b, or nothing when it overflows 64 bits.
+inline std::optional<std::uint64_t> mul_u64(std::uint64_t a, std::uint64_t b) noexcept {
+    std::uint64_t r = 0;
+    if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
+    return r;
+}
+/// a + b, or nothing when it overflows 64 bits.
+inline std::optional<std::uint64_t> add_u64(std::uint64_t a, std::uint64_t b) noexcept {
+    std::uint64_t r = 0;
+    if (__builtin_add_overflow(a, b, &r)) return std::nullopt;
+    return r;
+}
+
+/// Trivially copyable value from unaligned bytes.
+template <class T>
+T load_le(const std::byte* p) noexcept {
+    T v;
+    std::memcpy(&v, p, sizeof(T));
+    return v;
+}
+/// Trivially copyable value to unaligned bytes.
+template <class T>
+void store_le(std::byte* p, T v) noexcept {
+    std::memcpy(p, &v, sizeof(T));
+}
+
+/// Sequential writer into a buffer whose size was computed beforehand.
+class byte_writer {
+public:
+    explicit byte_writer(std::span<std::byte> out) noexcept : p_(out.data()), end_(out.data() + out.size()) {}
+    template <class T>
+    void put(T v) noexcept {
+        KVCACHE_ASSERT(static_cast<std::size_t>(end_ - p_) >= sizeof(T));
+        store_le(p_, v);
+        p_ += sizeof(T);
+    }
+    void put_bytes(const void* src, std::size_t n) noexcept {
+        KVCACHE_ASSERT(static_cast<std::size_t>(end_ - p_) >= n);
+        if (n != 0) std::memcpy(p_, src, n);
+        p_ += n;
+    }
+    /// Reserves n bytes and returns where they start (the caller fills them).
+    std::byte* take(std::size_t n) noexcept {
+        KVCACHE_ASSERT(static_cast<std::size_t>(end_ - p_) >= n);
+        std::byte* r = p_;
+        p_ += n;
+        return r;
+    }
+    [[nodiscard]] std::byte* pos() const noexcept { return p_; }
+
+private:
+    std::byte* p_;    // next byte to write
+    std::byte* end_;  // one past the buffer
+};
+
+/// Sequential bounds-checked reader: every read first checks the bytes left.
+class byte_reader {
+public:
+    explicit byte_reader(std::span<const std::byte> in) noexcept : b_(in) {}
+    [[nodiscard]] std::size_t offset() const noexcept { return at_; }
+    [[nodiscard]] std::size_t left() const noexcept { return b_.size() - at_; }
+    /// Whether n more bytes are available.
+    [[nodiscard]] bool has(std::uint64_t n) const noexcept { return n <= left(); }
+    /// Reads a value; the caller checked has(sizeof(T)).
+    template <class T>
+    T get() noexcept {
+        KVCACHE_ASSERT(has(sizeof(T)));
+        T v = load_le<T>(b_.data() + at_);
+        at_ += sizeof(T);
+        return v;
+    }
+    /// Skips n bytes and returns where they start; the caller checked has(n).
+    const std::byte* take(std::size_t n) noexcept {
+        KVCACHE_ASSERT(has(n));
+        const std::byte* r = b_.data() + at_;
+        at_ += n;
+        return r;
+    }
+
+private:
+    std::span<const std::byte> b_;  // the whole input
+    std::size_t at_ = 0;            // invariant: at_ <= b_.size()
+};
+
+}  // namespace detail
+}  // namespace io
+KVCACHE_END_NAMESPACE
