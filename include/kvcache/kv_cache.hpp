@@ -84,7 +84,10 @@ public:
     /// Builds a cache for `shape`; throws kvcache::error(invalid_config) naming a bad parameter.
     /// Allocates every buffer once, zero-initialised (F2).
     explicit kv_cache(const model_shape& shape)
-        : shape_(validated(shape)), cells_(shape.n_cells, shape.n_seq_max), storage_(shape) {}
+        : shape_(validated(shape)), cells_(shape.n_cells, shape.n_seq_max), storage_(shape) {
+        // Layout hook: storage with block/region bookkeeping follows every cell change.
+        if constexpr (requires { storage_.observer(); }) cells_.set_observer(storage_.observer());
+    }
 
     kv_cache(const kv_cache&) = delete;
     kv_cache& operator=(const kv_cache&) = delete;
@@ -171,8 +174,25 @@ public:
                                                           std::to_string(n) + " free cells, " +
                                                           std::to_string(cells_.free_count()) + " free");
         placement out;
-        out.cells = find_free_cells(n);
+        std::vector<cell_copy> copies;
+        if constexpr (requires { storage_.plan_place(cells_, pos, seqs); }) {
+            // Layout hook: the layout picks the cells and any copy-on-write of shared cells.
+            auto plan = storage_.plan_place(cells_, pos, seqs);
+            if (!plan) return detail::make_error(plan.code(), plan.message());
+            out.cells = std::move(plan.value().cells);
+            copies = std::move(plan.value().copies);
+        } else {
+            out.cells = find_free_cells(n);
+        }
         if (staged_.empty()) head_before_tx_ = head_;
+        for (const cell_copy& cp : copies) {  // cp.seq moves from cp.src to its own copy cp.dst
+            staged_.push_back({cp.dst, cells_.save(cp.dst)});
+            staged_.push_back({cp.src, cells_.save(cp.src)});
+            storage_.copy_cell(cp.src, cp.dst);
+            cells_.occupy(cp.dst, cells_.pos(cp.src), seq_set::of(cp.seq));
+            cells_.set_shift(cp.dst, cells_.shift(cp.src));
+            cells_.rm_seq(cp.src, cp.seq);
+        }
         for (std::uint32_t i = 0; i < n; ++i) {
             const std::uint32_t c = out.cells[i];
             staged_.push_back({c, cells_.save(c)});
@@ -201,6 +221,7 @@ public:
     tx_result commit() noexcept {
         if (staged_.empty()) return tx_result::nothing_staged;
         staged_.clear();
+        if constexpr (requires { storage_.on_commit(cells_); }) storage_.on_commit(cells_);  // e.g. SWA pruning
         return tx_result::committed;
     }
 
@@ -225,6 +246,7 @@ public:
         check_no_tx("seq_rm");
         check_seq("seq_rm", "seq_id", s, true);
         const auto [lo, hi] = range("seq_rm", p0, p1);
+        if constexpr (requires { storage_.check_seq_rm(cells_, s, lo, hi); }) storage_.check_seq_rm(cells_, s, lo, hi);
         std::vector<std::uint32_t> hit;
         for (std::uint32_t c : cells_.used_cells())
             if (in_range(c, lo, hi) && (s < 0 || cells_.seqs(c).test(s))) hit.push_back(c);
@@ -253,6 +275,8 @@ public:
                                  std::to_string(cells_.pos(c)) + "; seq_rm it first");
             hit.push_back(c);
         }
+        if constexpr (requires { storage_.before_seq_cp(cells_, src, dst, lo, hi); })
+            storage_.before_seq_cp(cells_, src, dst, lo, hi);
         for (std::uint32_t c : hit) cells_.add_seq(c, dst);
     }
 
@@ -452,8 +476,11 @@ private:
         // Split targets: the lowest free cells before the operation, in order of the cells split.
         std::vector<std::uint32_t> targets;
         targets.reserve(splits);
-        for (std::uint32_t c = 0; targets.size() < splits; ++c)
-            if (cells_.is_free(c)) targets.push_back(c);
+        if constexpr (requires { storage_.split_targets(cells_, s, splits); })
+            targets = storage_.split_targets(cells_, s, splits);  // layout hook; throws no_space
+        else
+            for (std::uint32_t c = 0; targets.size() < splits; ++c)
+                if (cells_.is_free(c)) targets.push_back(c);
         std::size_t next_target = 0;
         for (std::uint32_t c : hit) {
             const std::int64_t np = f(cells_.pos(c));

@@ -18,6 +18,44 @@
 
 KVCACHE_BEGIN_NAMESPACE
 
+/// Receives every change of cell occupancy and membership, in the order it happens.
+/// Layouts with per-block bookkeeping (paged, ring) attach one so that their tables
+/// stay incremental whichever path changed the cells (placement, restore, sequence
+/// ops, defragmentation, state loading). Callbacks must not throw.
+class cell_observer {
+public:
+    virtual void on_seq_added(std::uint32_t cell, seq_id_t s) noexcept = 0;    ///< s now uses cell
+    virtual void on_seq_removed(std::uint32_t cell, seq_id_t s) noexcept = 0;  ///< s no longer uses cell
+    virtual void on_cleared() noexcept = 0;                                     ///< every cell is free
+
+protected:
+    cell_observer() = default;
+    cell_observer(const cell_observer&) = default;
+    cell_observer& operator=(const cell_observer&) = default;
+    ~cell_observer() = default;
+};
+
+namespace detail {
+/// The cell table's observer pointer: a copy has no observer and a move takes it
+/// along, so only the table inside the cache that owns the observer ever calls it.
+struct observer_slot {
+    cell_observer* p = nullptr;
+    observer_slot() = default;
+    observer_slot(const observer_slot&) noexcept {}
+    observer_slot(observer_slot&& o) noexcept : p(o.p) { o.p = nullptr; }
+    observer_slot& operator=(const observer_slot&) noexcept {
+        p = nullptr;
+        return *this;
+    }
+    observer_slot& operator=(observer_slot&& o) noexcept {
+        p = o.p;
+        o.p = nullptr;
+        return *this;
+    }
+    ~observer_slot() = default;
+};
+}  // namespace detail
+
 class cell_table {
 public:
     /// Saved state of one cell (transactions restore it exactly).
@@ -93,26 +131,26 @@ public:
         pos_[c] = p;
         seqs_[c] = seqs;
         used_.insert(c);
-        seqs.for_each([&](seq_id_t s) { index_add(s, p); });
+        seqs.for_each([&](seq_id_t s) { index_add(s, p, c); });
     }
     /// Adds sequence s to occupied cell c (no-op if already there).
     void add_seq(std::uint32_t c, seq_id_t s) {
         KVCACHE_ASSERT(!is_free(c));
         if (seqs_[c].test(s)) return;
         seqs_[c].set(s);
-        index_add(s, pos_[c]);
+        index_add(s, pos_[c], c);
     }
     /// Removes sequence s from cell c; frees the cell when no sequence is left.
     void rm_seq(std::uint32_t c, seq_id_t s) {
         KVCACHE_ASSERT(!is_free(c) && seqs_[c].test(s));
         seqs_[c].reset(s);
-        index_rm(s, pos_[c]);
+        index_rm(s, pos_[c], c);
         if (seqs_[c].none()) release(c);
     }
     /// Frees cell c, dropping every sequence.
     void free_cell(std::uint32_t c) {
         KVCACHE_ASSERT(!is_free(c));
-        seqs_[c].for_each([&](seq_id_t s) { index_rm(s, pos_[c]); });
+        seqs_[c].for_each([&](seq_id_t s) { index_rm(s, pos_[c], c); });
         seqs_[c].clear();
         release(c);
     }
@@ -148,6 +186,10 @@ public:
             set_shift(c, s.shift);
         }
     }
+    /// Attaches the observer told about every later change (nullptr detaches). It must
+    /// outlive the table or be detached first; the table does not own it.
+    void set_observer(cell_observer* o) noexcept { obs_.p = o; }
+
     /// Frees every cell.
     void clear() {
         for (auto c : used_) {
@@ -158,6 +200,7 @@ public:
         used_.clear();
         for (auto& m : seq_pos_) m.clear();
         n_shifted_ = 0;
+        if (obs_.p != nullptr) obs_.p->on_cleared();
     }
 
 private:
@@ -166,13 +209,19 @@ private:
         set_shift(c, 0);
         used_.erase(c);
     }
-    void index_add(seq_id_t s, pos_t p) { ++seq_pos_[static_cast<std::size_t>(s)][p]; }
-    void index_rm(seq_id_t s, pos_t p) {
+    // Membership changes of cell c; move_pos passes no cell (membership is unchanged).
+    void index_add(seq_id_t s, pos_t p, std::uint32_t c = no_cell) {
+        ++seq_pos_[static_cast<std::size_t>(s)][p];
+        if (obs_.p != nullptr && c != no_cell) obs_.p->on_seq_added(c, s);
+    }
+    void index_rm(seq_id_t s, pos_t p, std::uint32_t c = no_cell) {
         auto& m = seq_pos_[static_cast<std::size_t>(s)];
         auto it = m.find(p);
         KVCACHE_ASSERT(it != m.end());
         if (--it->second == 0) m.erase(it);
+        if (obs_.p != nullptr && c != no_cell) obs_.p->on_seq_removed(c, s);
     }
+    static constexpr std::uint32_t no_cell = ~std::uint32_t{0};
 
     std::vector<pos_t> pos_;            // -1 = free; >= 0 occupied
     std::vector<std::int32_t> shift_;   // 0 for free cells; pos - pos at which K was computed
@@ -180,6 +229,7 @@ private:
     std::set<std::uint32_t> used_;      // exactly the cells with pos >= 0
     std::vector<std::map<pos_t, std::uint32_t>> seq_pos_;  // per sequence: position -> cell count
     std::uint32_t n_shifted_ = 0;       // cells with shift != 0
+    detail::observer_slot obs_;         // not owned; told about every membership change
 };
 
 KVCACHE_END_NAMESPACE

@@ -82,6 +82,35 @@ std::unique_ptr<T[], aligned_delete> make_zeroed(std::size_t n) {
 }
 }  // namespace detail
 
+namespace detail {
+/// Lowest sequence id in a non-empty set (the sequence whose region or block hint a
+/// shared token uses).
+template <class SeqSet>
+[[nodiscard]] seq_id_t lowest_seq(const SeqSet& set) noexcept {
+    seq_id_t s0 = -1;
+    set.for_each([&](seq_id_t s) {
+        if (s0 < 0) s0 = s;
+    });
+    return s0;
+}
+}  // namespace detail
+
+/// Copy-on-write step of a placement: sequence `seq` leaves shared cell `src` for its
+/// own copy `dst` (K/V of every layer copied, same position and pending shift).
+struct cell_copy {
+    std::uint32_t src = 0;
+    std::uint32_t dst = 0;
+    seq_id_t seq = 0;
+};
+
+/// A layout's answer to "where does this micro-batch go" (optional storage hook
+/// `plan_place`; layouts without it use the cache's head-based slot search, F3).
+/// copies are applied first, then token i goes to cells[i].
+struct placement_plan {
+    std::vector<std::uint32_t> cells;
+    std::vector<cell_copy> copies;
+};
+
 /// K/V buffers for all layers, arranged as described at the top of this file.
 /// Allocated once at construction, zero-initialised (F2), never reallocated.
 template <class Element, v_layout VLayout>

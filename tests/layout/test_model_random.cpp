@@ -1,0 +1,152 @@
+// Model-based random test over every layout: the same random operations drive a cache
+// and the layout-independent reference model (reference/layout_model.hpp); after every
+// step each sequence's contents (positions, pending shifts, K/V values of every layer)
+// must match, a refused call must leave the cache unchanged, and paged caches must
+// pass their block invariants (free + referenced == total, refcounts, block tables).
+#include <doctest/doctest.h>
+
+#include <kvcache/element/bf16.hpp>
+#include <kvcache/element/f16.hpp>
+#include <kvcache/kv_cache.hpp>
+#include <kvcache/layout/paged.hpp>
+#include <kvcache/layout/ring.hpp>
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "layout_test_util.hpp"
+
+namespace {
+
+using namespace kvcache;
+using kvtest::layout_model;
+
+template <class Cache>
+constexpr std::uint32_t window_of() {
+    if constexpr (requires { Cache::layout::window; })
+        return Cache::layout::window;
+    else
+        return 0;
+}
+
+template <class Cache>
+void check_tables(const Cache& cache) {
+    if constexpr (requires { cache.storage().check_invariants(cache.cells()); })
+        REQUIRE(cache.storage().check_invariants(cache.cells()) == "");
+}
+
+template <class Cache>
+void run_random(const model_shape& shape, std::uint32_t seed, int steps) {
+    std::printf("layout random test: %s seed %u\n", std::string(Cache::layout::name).c_str(), seed);
+    constexpr std::uint32_t window = window_of<Cache>();
+    constexpr bool is_ring = window > 0;
+    Cache cache(shape);
+    layout_model model(shape.n_seq_max);
+    std::mt19937 rng(seed);
+    auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    const auto n_seq = static_cast<int>(shape.n_seq_max);
+    int refused = 0, applied = 0;
+    auto max_of = [&](seq_id_t s) { return cache.seq_pos_max(s); };
+
+    for (int step = 0; step < steps; ++step) {
+        CAPTURE(step);
+        const auto before = kvtest::observe(cache);
+        const int op = pick(0, 99);
+        bool ok = true;
+        try {
+            if (op < 45) {  // one or two micro-batches, then commit or restore
+                const int n_ub = pick(1, 2);
+                for (int u = 0; u < n_ub && ok; ++u) {
+                    seq_set set;
+                    const int n_in_set = pick(0, 9) == 0 ? 2 : 1;
+                    while (set.count() < std::min(n_in_set, n_seq)) set.set(pick(0, n_seq - 1));
+                    pos_t next = 0;
+                    set.for_each([&](seq_id_t s) { next = std::max(next, max_of(s) + 1); });
+                    const int n = pick(1, 6);
+                    const int gap = is_ring ? pick(0, 1) : pick(0, 3);
+                    std::vector<pos_t> pos(static_cast<std::size_t>(n));
+                    for (int i = 0; i < n; ++i) pos[static_cast<std::size_t>(i)] = next + gap + i;
+                    std::vector<seq_set> sets(static_cast<std::size_t>(n), set);
+                    ok = kvtest::place_and_write(cache, model, pos, sets, rng);
+                }
+                if (pick(0, 3) == 0) {
+                    cache.restore();
+                    model.restore();
+                } else {
+                    const bool committed = cache.commit() == tx_result::committed;  // ring prunes only then
+                    model.commit();
+                    if (is_ring && committed) model.prune(window);
+                }
+                if (!ok) {  // a refused batch changes nothing; earlier ones were restored/committed above
+                    ++refused;
+                    ok = true;
+                }
+            } else if (op < 60) {
+                const seq_id_t s = pick(0, 9) == 0 ? -1 : pick(0, n_seq - 1);
+                const pos_t p0 = pick(-1, 40), p1 = pick(0, 3) == 0 ? -1 : p0 + pick(0, 20);
+                cache.seq_rm(s, p0, p1);
+                model.seq_rm(s, p0, p1);
+            } else if (op < 72) {
+                const seq_id_t src = pick(0, n_seq - 1), dst = pick(0, n_seq - 1);
+                const pos_t p0 = pick(0, 3) == 0 ? -1 : pick(0, 30), p1 = pick(0, 2) == 0 ? -1 : p0 + pick(1, 30);
+                cache.seq_cp(src, dst, p0, p1);
+                model.seq_cp(src, dst, p0, p1);
+            } else if (op < 75) {
+                const seq_id_t s = pick(0, n_seq - 1);
+                cache.seq_keep(s);
+                model.seq_keep(s);
+            } else if (op < 90) {
+                const seq_id_t s = pick(0, 5) == 0 ? -1 : pick(0, n_seq - 1);
+                const pos_t p0 = pick(0, 1) == 0 ? -1 : pick(0, 30);
+                const pos_t d = pick(-10, 10);
+                cache.seq_add(s, p0, -1, d);
+                model.seq_add(s, p0, -1, d);
+            } else if (op < 96) {
+                const seq_id_t s = pick(0, 5) == 0 ? -1 : pick(0, n_seq - 1);
+                const int d = pick(1, 3);
+                cache.seq_div(s, -1, -1, d);
+                model.seq_div(s, -1, -1, d);
+            } else {
+                cache.clear();
+                model.clear();
+            }
+            ++applied;
+        } catch (const kvcache::error& e) {
+            // Refusals this test provokes on purpose: ring limits, full pools, copies onto held positions.
+            const bool expected = e.code() == errc::unsupported || e.code() == errc::no_space ||
+                                  (e.code() == errc::invalid_argument &&
+                                   std::string(e.what()).find("already holds") != std::string::npos);
+            CAPTURE(e.what());
+            REQUIRE(expected);
+            REQUIRE(kvtest::same(kvtest::observe(cache), before));
+            ++refused;
+        }
+        REQUIRE_FALSE(cache.in_transaction());
+        CAPTURE(op);
+        REQUIRE(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
+        check_tables(cache);
+    }
+    std::printf("  %d steps applied, %d refused\n", applied, refused);
+    CHECK(applied > steps / 2);
+}
+
+}  // namespace
+
+TEST_CASE("random operations: contiguous matches the reference model") {
+    run_random<kv_cache<f32>>(kvtest::layout_shape(128, 4), 101, 600);
+    run_random<kv_cache<f16, contiguous<v_layout::transposed>>>(kvtest::layout_shape(96, 3), 102, 400);
+}
+
+TEST_CASE("random operations: paged matches the reference model") {
+    run_random<kv_cache<f32, paged<16>>>(kvtest::layout_shape(256, 4), 201, 800);
+    run_random<kv_cache<f16, paged<32, v_layout::transposed>>>(kvtest::layout_shape(256, 3), 202, 600);
+    run_random<kv_cache<f32, paged<16>>>(kvtest::layout_shape(64, 4), 203, 800);  // tight: many refusals
+}
+
+TEST_CASE("random operations: ring matches the reference model with pruning, refuses what it cannot do") {
+    run_random<kv_cache<f32, ring<8>>>(kvtest::layout_shape(ring<8>::cells_for(4, 8), 4), 301, 800);
+    run_random<kv_cache<bf16, ring<5, v_layout::transposed>>>(kvtest::layout_shape(ring<5>::cells_for(3, 8), 3), 302,
+                                                               600);
+}
