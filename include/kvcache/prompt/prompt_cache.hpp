@@ -252,9 +252,11 @@ public:
             return detail::make_error(errc::invalid_argument, "prompt_cache::load: no entry with id " + std::to_string(id));
         result<void> r = store_.load(cache, dst, it->second.state);
         if (!r) return detail::make_error(r.code(), r.message());
-        loaded out{std::move(it->second.tokens), std::move(it->second.checkpoints), it->second.stats.hits + 1};
-        it->second.checkpoints.clear();
-        erase(cache, id);
+        entry& e = it->second;
+        detach(id, e);
+        loaded out{std::move(e.tokens), std::move(e.checkpoints), e.stats.hits + 1};
+        store_.release(cache, e.state);
+        entries_.erase(it);
         return out;
     }
 
@@ -263,11 +265,7 @@ public:
         const auto it = entries_.find(id);
         if (it == entries_.end()) return false;
         entry& e = it->second;
-        key_symbols(e.tokens, key_);
-        index_.erase(e.salt, key_);
-        if (!e.pinned) order_.erase({Eviction::rank(e.stats), id});
-        bytes_ -= e.bytes;
-        tokens_ -= e.tokens.size();
+        detach(id, e);
         store_.release(cache, e.state);
         release_all(cache, e.checkpoints);
         entries_.erase(it);
@@ -333,6 +331,15 @@ private:
         entry_stats stats;
         bool pinned = false;
     };
+
+    /// Removes entry e from the index, the eviction order and the totals (not from entries_).
+    void detach(entry_id id, const entry& e) {
+        key_symbols(e.tokens, key_);
+        index_.erase(e.salt, key_);
+        if (!e.pinned) order_.erase({Eviction::rank(e.stats), id});
+        bytes_ -= e.bytes;
+        tokens_ -= e.tokens.size();
+    }
 
     static bool qualifies(std::uint32_t lcp, std::uint32_t len, double n_req, double fk_slot, double sim_slot,
                           std::size_t slot_lcp) noexcept {
