@@ -295,12 +295,12 @@ std::vector<std::uint32_t> cells_to_save(const Cache& cache, seq_id_t seq) {
 }
 
 template <class Cache>
-void check_save_args(const char* fn, const Cache& cache, seq_id_t seq, std::span<const token_t> tokens,
+void check_save_args(const char* fn, const Cache& cache, bool one_seq, seq_id_t seq, std::span<const token_t> tokens,
                      std::span<const media_chunk> media) {
     if (cache.in_transaction())
         kvcache::detail::fail(errc::transaction_open,
                               std::string(fn) + ": placements are staged; commit() or restore() first");
-    if (seq != -1 && (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.shape().n_seq_max))
+    if (one_seq && (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.shape().n_seq_max))
         kvcache::detail::fail(errc::invalid_argument, std::string(fn) + ": seq = " + std::to_string(seq) +
                                                           ", must be in [0, " +
                                                           std::to_string(cache.shape().n_seq_max) + ")");
@@ -667,7 +667,7 @@ template <class Cache>
 template <class Cache>
 [[nodiscard]] std::size_t seq_state_size(const Cache& cache, seq_id_t seq, std::span<const token_t> tokens = {},
                                          std::span<const media_chunk> media = {}) {
-    detail::check_save_args("seq_state_size", cache, seq, tokens, media);
+    detail::check_save_args("seq_state_size", cache, true, seq, tokens, media);
     const auto cells = detail::cells_to_save(cache, seq);
     return detail::state_bytes(cache, cells, seq, tokens.size(), media.size());
 }
@@ -679,7 +679,7 @@ template <class Cache>
 void save_state_into(const Cache& cache, std::span<std::byte> out, std::span<const token_t> tokens = {},
                      std::span<const media_chunk> media = {}) {
     detail::require_raw_view<Cache>();
-    detail::check_save_args("save_state", cache, -1, tokens, media);
+    detail::check_save_args("save_state", cache, false, -1, tokens, media);
     const auto cells = detail::cells_to_save(cache, -1);
     const std::size_t need = detail::state_bytes(cache, cells, -1, tokens.size(), media.size());
     if (out.size() != need)
@@ -703,7 +703,7 @@ template <class Cache>
 void save_seq_into(const Cache& cache, seq_id_t seq, std::span<std::byte> out, std::span<const token_t> tokens = {},
                    std::span<const media_chunk> media = {}) {
     detail::require_raw_view<Cache>();
-    detail::check_save_args("save_seq", cache, seq, tokens, media);
+    detail::check_save_args("save_seq", cache, true, seq, tokens, media);
     const auto cells = detail::cells_to_save(cache, seq);
     const std::size_t need = detail::state_bytes(cache, cells, seq, tokens.size(), media.size());
     if (out.size() != need)
