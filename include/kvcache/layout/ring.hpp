@@ -4,8 +4,11 @@
 // position p sees keys at positions (p - Window, p]. Each sequence id s owns a
 // region of R = n_cells / n_seq_max cells starting at cell s * R, and position p
 // of s lives in cell s * R + p mod R. R must be at least Window + the largest
-// micro-batch per sequence (ring<W>::cells_for() computes n_cells), so placing a
-// batch never lands on a cell the batch still needs.
+// micro-batch per sequence (ring<W>::cells_for() computes n_cells), so that in
+// generation that cell is always free when p is placed. When it is not (positions
+// placed out of order, or cells of a forked sequence still held by the fork), p goes
+// to the next free cell of the region; a batch that finds its region full is refused
+// with no_space.
 //
 // After every commit, cells that fell out of the window of their sequence are
 // pruned (the sequence leaves the cell), so memory stays constant however long
@@ -118,8 +121,8 @@ struct ring {
         // ---- layout hooks used by kv_cache ----
         [[nodiscard]] cell_observer* observer() noexcept { return tables_.get(); }
 
-        /// Token i goes to cell s0 * R + pos[i] mod R (s0: its lowest sequence); refused
-        /// (no_space) when that cell still holds a position inside the window.
+        /// Token i goes to cell s0 * R + pos[i] mod R (s0: its lowest sequence), or to the
+        /// next free cell of that region; refused (no_space) when the region is full.
         [[nodiscard]] result<placement_plan> plan_place(const cell_table& cells, std::span<const pos_t> pos,
                                                         std::span<const seq_set> seqs) const {
             placement_plan plan;
@@ -127,18 +130,22 @@ struct ring {
             std::set<std::uint32_t> taken;
             for (std::size_t i = 0; i < pos.size(); ++i) {
                 const seq_id_t s0 = detail::lowest_seq(seqs[i]);
-                const std::uint32_t c =
-                    static_cast<std::uint32_t>(s0) * region_ + static_cast<std::uint32_t>(pos[i]) % region_;
-                if (!cells.is_free(c) || !taken.insert(c).second)
+                const std::uint32_t base = static_cast<std::uint32_t>(s0) * region_;
+                const std::uint32_t home = static_cast<std::uint32_t>(pos[i]) % region_;
+                std::uint32_t c = no_cell;
+                for (std::uint32_t k = 0; k < region_ && c == no_cell; ++k) {
+                    const std::uint32_t cand = base + (home + k) % region_;
+                    if (cells.is_free(cand) && taken.count(cand) == 0) c = cand;
+                }
+                if (c == no_cell)
                     return detail::make_error(
-                        errc::no_space,
-                        "place: ring<" + std::to_string(Window) + ">: position " + std::to_string(pos[i]) +
-                            " of sequence " + std::to_string(s0) + " maps to cell " + std::to_string(c) +
-                            ", which " +
-                            (cells.is_free(c) ? std::string("another token of the batch takes")
-                                              : "still holds position " + std::to_string(cells.pos(c))) +
-                            "; a micro-batch may run at most n_cells / n_seq_max - window = " +
-                            std::to_string(region_ - Window) + " positions past a sequence's last one");
+                        errc::no_space, "place: ring<" + std::to_string(Window) + ">: the region of sequence " +
+                                            std::to_string(s0) + " (cells [" + std::to_string(base) + ", " +
+                                            std::to_string(base + region_) + ")) has no free cell for position " +
+                                            std::to_string(pos[i]) + "; a micro-batch may hold at most n_cells / "
+                                            "n_seq_max - window = " + std::to_string(region_ - Window) +
+                                            " tokens per sequence (see ring::cells_for)");
+                taken.insert(c);
                 plan.cells.push_back(c);
             }
             return plan;
@@ -190,6 +197,8 @@ struct ring {
         }
 
     private:
+        static constexpr std::uint32_t no_cell = ~std::uint32_t{0};
+
         static const model_shape& checked(const model_shape& s) {
             if (s.n_seq_max == 0 || s.n_cells / s.n_seq_max < Window + 1)
                 detail::fail(errc::invalid_config,

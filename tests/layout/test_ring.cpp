@@ -1,0 +1,170 @@
+// ring<Window>: constant memory far past the window, attention equal to a float64
+// reference that sees only the last Window positions of the full history, and the
+// refusals (seq_add / seq_div, seq_rm that needs pruned positions, placement beyond
+// the region) that leave the cache unchanged.
+#include <doctest/doctest.h>
+
+#include <kvcache/element/f16.hpp>
+#include <kvcache/kv_cache.hpp>
+#include <kvcache/layout/ring.hpp>
+#include <kvcache/ops/attention.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "layout_test_util.hpp"
+
+namespace {
+
+using namespace kvcache;
+constexpr std::uint32_t W = 24;
+using ring_cache = kv_cache<f32, ring<W>>;
+
+}  // namespace
+
+TEST_CASE("ring: configuration errors name the parameter") {
+    CHECK_THROWS_WITH_AS(ring_cache(kvtest::layout_shape(2 * W, 2)), doctest::Contains("model_shape.n_cells = 48"),
+                         kvcache::error);
+    CHECK(ring<W>::cells_for(2, 8) == 2 * (W + 8));
+    ring_cache ok(kvtest::layout_shape(ring<W>::cells_for(2, 8), 2));
+    CHECK(ok.storage().region() == W + 8);
+    CHECK_THROWS_AS(static_cast<void>(ok.storage().pruned_below(2)), kvcache::error);
+}
+
+TEST_CASE("ring: generation far past the window keeps memory constant and attention windowed") {
+    const std::uint32_t seed = 21;
+    std::printf("ring generation test seed %u\n", seed);
+    std::mt19937 rng(seed);
+    const auto shape = kvtest::layout_shape(ring<W>::cells_for(2, 16), 2, 2, 2, 16);
+    ring_cache cache(shape);
+    kvtest::layout_model model(2);  // pruned like the ring
+    kvtest::layout_model full(2);   // full history, never pruned
+    const std::size_t bytes = cache.total_bytes();
+    pos_t next[2] = {0, 0};
+    std::uniform_int_distribution<int> ub(1, 16);
+    ops::attention_workspace ws;
+    int checked = 0;
+    for (int step = 0; step < 120; ++step) {
+        const seq_id_t s = step % 2;
+        const auto n = static_cast<std::uint32_t>(ub(rng));
+        REQUIRE(kvtest::append(cache, model, s, next[s], n, rng));
+        for (const auto& [p, t] : model.seqs[static_cast<std::size_t>(s)])  // the same new rows
+            if (p >= next[s]) full.put(s, p, t);
+        next[s] += static_cast<pos_t>(n);
+        cache.commit();
+        model.commit();
+        full.commit();
+        model.prune(W);
+        REQUIRE(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
+        CHECK(cache.used() <= 2 * W);
+        CHECK(cache.total_bytes() == bytes);
+        // every sequence keeps exactly its last min(W, length) positions
+        for (seq_id_t t = 0; t < 2; ++t)
+            if (next[t] > 0) {
+                CHECK(cache.seq_pos_max(t) == next[t] - 1);
+                CHECK(cache.seq_pos_min(t) == std::max<pos_t>(0, next[t] - static_cast<pos_t>(W)));
+            }
+        // decode-style query at the last position: ring attention == float64 reference over
+        // the full history restricted to the window
+        const std::uint32_t n_head = 4, dk = shape.dim_k(), dv = shape.dim_v();
+        std::vector<float> q(n_head * dk);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        for (auto& x : q) x = u(rng);
+        const pos_t qp = next[s] - 1;
+        for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
+          for (ops::kernel_path path : {ops::kernel_path::scalar}) {
+            std::vector<float> out(n_head * dv);
+            ops::attention_params ap;
+            ap.n_head = n_head;
+            ap.window = static_cast<std::int32_t>(W);
+            ap.path = path;
+            ops::attention(cache, layer, q.data(), &qp, &s, 1, ap, out.data(), ws);
+            for (std::uint32_t g = 0; g < n_head; ++g) {
+                const auto ref = kvtest::attention_ref(full.seqs[static_cast<std::size_t>(s)], layer,
+                                                       g / (n_head / shape.n_head_kv), dk, dv,
+                                                       q.data() + g * dk, qp, static_cast<std::int32_t>(W));
+                for (std::uint32_t d = 0; d < dv; ++d) REQUIRE(std::abs(out[g * dv + d] - ref[d]) < 1e-4);
+            }
+          }
+            ++checked;
+        }
+    }
+    CHECK(next[0] > static_cast<pos_t>(10 * W));
+    CHECK(checked == 240);
+}
+
+TEST_CASE("ring: refuses what needs pruned positions, allows what does not, changes nothing when refusing") {
+    std::mt19937 rng(22);
+    ring_cache cache(kvtest::layout_shape(ring<W>::cells_for(2, 8), 2));
+    kvtest::layout_model model(2);
+    for (pos_t p = 0; p < 100; p += 4) {
+        REQUIRE(kvtest::append(cache, model, 0, p, 4, rng));
+        cache.commit();
+    }
+    model.commit();
+    model.prune(W);
+    CHECK(cache.storage().pruned_below(0) == 100 - static_cast<pos_t>(W));
+    const auto before = kvtest::observe(cache);
+    auto unchanged = [&] { CHECK(kvtest::diff(kvtest::observe(cache), before) == ""); };
+
+    CHECK_THROWS_WITH_AS(cache.seq_add(0, -1, -1, 3), doctest::Contains("unsupported"), kvcache::error);
+    unchanged();
+    CHECK_THROWS_WITH_AS(cache.seq_div(0, -1, -1, 2), doctest::Contains("cannot move positions"), kvcache::error);
+    unchanged();
+    // middle range reaching below the pruning point (76)
+    CHECK_THROWS_WITH_AS(cache.seq_rm(0, 50, 80), doctest::Contains("pruned by the sliding window"), kvcache::error);
+    unchanged();
+    CHECK_THROWS_AS(cache.seq_rm(-1, 10, 20), kvcache::error);
+    unchanged();
+    // truncation whose next window would reach pruned positions: 90 - 24 + 1 = 67 < 76
+    CHECK_THROWS_WITH_AS(cache.seq_rm(0, 90, -1), doctest::Contains("truncating at 90"), kvcache::error);
+    unchanged();
+    // allowed: a middle range inside the window, a truncation with an intact window
+    cache.seq_rm(0, 80, 82);
+    model.seq_rm(0, 80, 82);
+    cache.seq_rm(0, 99, -1);
+    model.seq_rm(0, 99, -1);
+    CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
+    // seq_cp passes the pruning point on: the copy cannot be truncated into pruned data either
+    cache.seq_cp(0, 1, -1, -1);
+    model.seq_cp(0, 1, -1, -1);
+    CHECK(cache.storage().pruned_below(1) == cache.storage().pruned_below(0));
+    CHECK_THROWS_AS(cache.seq_rm(1, 85, -1), kvcache::error);
+    // removing a whole sequence is always allowed and resets its pruning point
+    cache.seq_rm(0, 0, -1);
+    model.seq_rm(0, 0, -1);
+    CHECK(cache.storage().pruned_below(0) == 0);
+    REQUIRE(kvtest::append(cache, model, 0, 0, 5, rng));
+    cache.commit();
+    cache.seq_rm(0, 2, 3);
+    model.seq_rm(0, 2, 3);
+    CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
+}
+
+TEST_CASE("ring: a batch that finds its region full is refused with no_space; out-of-order positions fit") {
+    std::mt19937 rng(23);
+    ring_cache cache(kvtest::layout_shape(ring<W>::cells_for(2, 8), 2));  // regions of W + 8 = 32
+    kvtest::layout_model model(2);
+    REQUIRE(kvtest::append(cache, model, 0, 0, 20, rng));
+    cache.commit();
+    const auto before = kvtest::observe(cache);
+    std::vector<pos_t> pos(13);
+    for (int i = 0; i < 13; ++i) pos[static_cast<std::size_t>(i)] = 20 + i;
+    std::vector<seq_id_t> seq(13, 0);
+    auto r = cache.place(pos, seq);  // 13 tokens, 12 free cells: the window still needs 0..19
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.code() == errc::no_space);
+    CHECK(r.message().find("has no free cell for position") != std::string::npos);
+    CHECK_FALSE(cache.in_transaction());
+    CHECK(kvtest::diff(kvtest::observe(cache), before) == "");
+    // 32 and 33 map to the cells of positions 0 and 1, still held: they take the next free cells
+    REQUIRE(kvtest::append(cache, model, 0, 32, 2, rng));
+    cache.commit();
+    model.commit();
+    model.prune(W);
+    CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
+    CHECK(cache.seq_pos_min(0) == 33 - static_cast<pos_t>(W) + 1);
+}
