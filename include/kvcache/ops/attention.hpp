@@ -3,13 +3,17 @@
 
 #include <cmath>    // std::sqrt, std::exp, std::tanh, std::isfinite
 #include <cstddef>  // std::size_t
+#include <algorithm>  // std::min, std::max
 #include <cstdint>  // fixed-width integers
 #include <limits>   // infinity
 #include <string>   // messages
+#include <type_traits>  // std::integral_constant
 #include <vector>   // workspace buffers
 
 #include "../config.hpp"
 #include "../error.hpp"
+#include "../kernels/attention.hpp"
+#include "../kernels/path.hpp"
 #include "../layout/kv_storage.hpp"
 #include "../model_shape.hpp"
 
@@ -23,20 +27,35 @@ struct attention_params {
     std::int32_t window = 0;   ///< > 0: sliding window, a query at p sees positions (p - window, p]
     float softcap = 0.0f;      ///< > 0: logits = softcap * tanh(logits / softcap)
     int n_threads = 0;         ///< <= 0: the OpenMP default
+    kernel_path path = kernel_path::simd;  ///< scalar: the plain reference loop (benchmarks)
 };
 
 /// Caller-owned scratch for attention(), reused across calls: it grows to the largest
-/// call seen and then the hot path allocates nothing.
+/// call seen and then the hot path allocates nothing. One workspace per calling thread.
 class attention_workspace {
 public:
     attention_workspace() = default;
     /// Bytes currently reserved.
     [[nodiscard]] std::size_t bytes() const noexcept {
-        return acc_.capacity() * sizeof(float);
+        return tiles_.capacity() * sizeof(kernels::tile_meta) + slots_.capacity() * sizeof(kernels::attn_slot) +
+               ranges_.capacity() * sizeof(kernels::tile_range) + split_ranges_.capacity() * sizeof(kernels::tile_range) +
+               split_first_.capacity() * sizeof(std::size_t) + scratch_.capacity() * sizeof(float) +
+               partial_.capacity() * sizeof(float) + out_rows_.capacity() * sizeof(float*);
     }
 
-    // Internal buffers (used by ops::attention only).
-    std::vector<float> acc_;  // per query row and head: running output (head_dim_v floats)
+private:
+    template <class Cache>
+    friend void attention(const Cache&, std::uint32_t, const float*, const pos_t*, const seq_id_t*, std::uint32_t,
+                          const attention_params&, float*, attention_workspace&);
+
+    std::vector<kernels::tile_meta> tiles_;           // per tile of [0, n): occupancy / position / sequence summary
+    std::vector<kernels::attn_slot> slots_;           // per KV head: n_q x group slots, padded to a multiple of M
+    std::vector<kernels::tile_range> ranges_;         // tiles to visit (one range for the contiguous layout)
+    std::vector<kernels::tile_range> split_ranges_;   // the ranges cut into n_split parts
+    std::vector<std::size_t> split_first_;            // split k's ranges: [split_first_[k], split_first_[k+1])
+    std::vector<float> scratch_;                      // per thread: accumulators, p, transposed-V rows
+    std::vector<float> partial_;                      // split-K: per item M x (dv + 2) partial states
+    std::vector<float*> out_rows_;                    // per slot: where its output row goes (null: padding)
 };
 
 namespace detail_attn {
@@ -73,30 +92,20 @@ void check(const Cache& cache, std::uint32_t layer, const float* q, const pos_t*
                          "attention: q_pos[" + to_string(i) + "] = " + to_string(q_pos[i]) + ", must be >= 0");
     }
 }
-}  // namespace detail_attn
 
-/// Attention of n_q query rows over layer `layer` of the cache (F16).
-/// q: n_q rows of n_head x head_dim_k floats (head-major); q_pos / q_seq: position and
-/// sequence of each row; out: n_q rows of n_head x head_dim_v floats. Query head g reads
-/// KV head g / (n_head / n_head_kv). Cell c is visible to row i when it is occupied, used
-/// by sequence q_seq[i], pos(c) <= q_pos[i] (causal) and, with a window W > 0,
-/// pos(c) > q_pos[i] - W. Online softmax in f32; a row with no visible cell gets zeros.
-/// Reads only cells [0, cache.n_window()) (F8). Throws kvcache::error(invalid_argument)
-/// on bad arguments (before writing anything).
+/// The plain reference loop: one query row, one head, one cell, one element at a time.
 template <class Cache>
-void attention(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos, const seq_id_t* q_seq,
-               std::uint32_t n_q, const attention_params& p, float* out, attention_workspace& ws) {
-    detail_attn::check(cache, layer, q, q_pos, q_seq, n_q, p, out);
-    if (n_q == 0) return;
-    using element = typename Cache::element;
+void attention_scalar(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos,
+                      const seq_id_t* q_seq, std::uint32_t n_q, const attention_params& p, float* out,
+                      std::vector<float>& acc_buf) {
     const model_shape& s = cache.shape();
-    const std::uint32_t dk = s.dim_k(), dv = s.dim_v(), hkv = s.n_head_kv, group = p.n_head / hkv;
+    const std::uint32_t dk = s.dim_k(), dv = s.dim_v(), group = p.n_head / s.n_head_kv;
     const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(dk));
     const auto v = cache.storage().view(layer);
     const std::uint32_t n = cache.n_window();
     const auto& cells = cache.cells();
-    ws.acc_.resize(dv);
-    float* acc = ws.acc_.data();
+    if (acc_buf.size() < dv) acc_buf.resize(dv);
+    float* acc = acc_buf.data();
     for (std::uint32_t i = 0; i < n_q; ++i) {
         for (std::uint32_t g = 0; g < p.n_head; ++g) {
             const std::uint32_t h = g / group;
@@ -108,26 +117,255 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
                 if (pc < 0 || !cells.seqs(c).test(q_seq[i]) || pc > q_pos[i]) continue;
                 if (p.window > 0 && std::int64_t{pc} <= std::int64_t{q_pos[i]} - p.window) continue;
                 float sc = 0.0f;
-                for (std::uint32_t d = 0; d < dk; ++d) {
-                    float kf;
-                    element::to_float(v.k + v.k_offset(h, c, d), &kf, 1);
-                    sc += qr[d] * kf;
-                }
+                for (std::uint32_t d = 0; d < dk; ++d) sc += qr[d] * simd::to_float(v.k[v.k_offset(h, c, d)]);
                 sc *= scale;
                 if (p.softcap > 0.0f) sc = p.softcap * std::tanh(sc / p.softcap);
                 const float nm = sc > m ? sc : m;
                 const float alpha = std::exp(m - nm), w = std::exp(sc - nm);
                 l = l * alpha + w;
-                for (std::uint32_t d = 0; d < dv; ++d) {
-                    float vf;
-                    element::to_float(v.v + v.v_offset(h, c, d), &vf, 1);
-                    acc[d] = acc[d] * alpha + w * vf;
-                }
+                for (std::uint32_t d = 0; d < dv; ++d)
+                    acc[d] = acc[d] * alpha + w * simd::to_float(v.v[v.v_offset(h, c, d)]);
                 m = nm;
             }
             float* o = out + (std::size_t{i} * p.n_head + g) * dv;
             for (std::uint32_t d = 0; d < dv; ++d) o[d] = l > 0.0f ? acc[d] / l : 0.0f;
         }
+    }
+}
+
+/// Summarises tiles [0, ceil(n / 16)) of the cells for the kernel's masking.
+inline void build_tile_meta(const cell_table& cells, std::uint32_t n, kernels::tile_meta* out, int threads) {
+    const pos_t* pos = cells.pos_data();
+    const seq_set* seqs = cells.seq_data();
+    const auto n_tiles = static_cast<std::int64_t>((n + k_tile - 1) / k_tile);
+    static_cast<void>(threads);
+    KVCACHE_OMP(parallel for schedule(static) num_threads(threads) if (n_tiles > 256))
+    for (std::int64_t t = 0; t < n_tiles; ++t) {
+        kernels::tile_meta tm;
+        const seq_set* first = nullptr;
+        bool same = true;
+        const auto c0 = static_cast<std::uint32_t>(t) * k_tile;
+        const std::uint32_t c1 = std::min(c0 + k_tile, n);
+        for (std::uint32_t c = c0; c < c1; ++c) {
+            if (pos[c] < 0) continue;
+            if (tm.occ == 0) {
+                tm.pmin = tm.pmax = pos[c];
+                first = &seqs[c];
+            } else {
+                tm.pmin = std::min(tm.pmin, pos[c]);
+                tm.pmax = std::max(tm.pmax, pos[c]);
+                same = same && seqs[c] == *first;
+            }
+            tm.occ = static_cast<std::uint16_t>(tm.occ | (1u << (c - c0)));
+        }
+        if (tm.occ != 0) {
+            tm.sid = -2;
+            if (same && first->count() == 1) first->for_each([&](seq_id_t q) { tm.sid = q; });
+        }
+        out[t] = tm;
+    }
+}
+
+template <std::size_t M, class T>
+void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta, const kernels::attn_shape& sh,
+               const kernels::attn_slot* slots, std::size_t slots_per_head, std::uint32_t n_head_kv,
+               const kernels::tile_range* split_ranges, const std::size_t* split_first, std::size_t n_split,
+               float* scratch, std::size_t scratch_per_thread, float* partial, float* const* out_rows,
+               int threads) {
+    const std::size_t groups = slots_per_head / M;
+    const auto n_items = static_cast<std::int64_t>(std::size_t{n_head_kv} * groups * n_split);
+    const std::uint32_t dv = sh.dv;
+    static_cast<void>(threads);
+    KVCACHE_OMP(parallel num_threads(threads))
+    {
+        int tid = 0;
+#if defined(_OPENMP)
+        tid = omp_get_thread_num();
+#endif
+        float* mine = scratch + static_cast<std::size_t>(tid) * scratch_per_thread;
+        float* acc = mine;
+        float* p_buf = acc + M * dv;
+        float* vt_buf = p_buf + M * k_tile;
+        KVCACHE_OMP(for schedule(dynamic, 1))
+        for (std::int64_t it = 0; it < n_items; ++it) {
+            const auto item = static_cast<std::size_t>(it);
+            const std::size_t k = item % n_split;
+            const std::size_t hg = item / n_split;
+            const auto h = static_cast<std::uint32_t>(hg / groups);
+            const std::size_t g = hg % groups;
+            const kernels::attn_slot* sl = slots + h * slots_per_head + g * M;
+            kernels::attn_state<M> st;
+            st.acc = acc;
+            for (std::size_t s = 0; s < M; ++s) {
+                st.m[s] = -std::numeric_limits<float>::infinity();
+                st.l[s] = 0.0f;
+            }
+            std::fill(acc, acc + M * dv, 0.0f);
+            kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k],
+                                       split_first[k + 1] - split_first[k], st, p_buf, vt_buf);
+            if (n_split == 1) {
+                for (std::size_t s = 0; s < M; ++s) {
+                    float* o = out_rows[h * slots_per_head + g * M + s];
+                    if (o == nullptr) continue;
+                    const float inv = st.l[s] > 0.0f ? 1.0f / st.l[s] : 0.0f;
+                    for (std::uint32_t d = 0; d < dv; ++d) o[d] = acc[s * dv + d] * inv;
+                }
+            } else {
+                float* part = partial + item * M * (dv + 2);
+                for (std::size_t s = 0; s < M; ++s) {
+                    part[s * (dv + 2)] = st.m[s];
+                    part[s * (dv + 2) + 1] = st.l[s];
+                    std::copy(acc + s * dv, acc + s * dv + dv, part + s * (dv + 2) + 2);
+                }
+            }
+        }
+        if (n_split > 1) {
+            // Merge the partial softmax states of each (head, group) slot (flash-decoding).
+            const auto n_slots = static_cast<std::int64_t>(std::size_t{n_head_kv} * slots_per_head);
+            KVCACHE_OMP(for schedule(static))
+            for (std::int64_t x = 0; x < n_slots; ++x) {
+                const auto slot = static_cast<std::size_t>(x);
+                float* o = out_rows[slot];
+                if (o == nullptr) continue;
+                const std::size_t hg = slot / M, s = slot % M;
+                float mx = -std::numeric_limits<float>::infinity();
+                for (std::size_t k = 0; k < n_split; ++k) mx = std::max(mx, partial[((hg * n_split + k) * M + s) * (dv + 2)]);
+                float l = 0.0f;
+                for (std::uint32_t d = 0; d < dv; ++d) o[d] = 0.0f;
+                if (mx != -std::numeric_limits<float>::infinity()) {
+                    for (std::size_t k = 0; k < n_split; ++k) {
+                        const float* part = partial + ((hg * n_split + k) * M + s) * (dv + 2);
+                        if (part[1] == 0.0f) continue;
+                        const float w = std::exp(part[0] - mx);
+                        l += part[1] * w;
+                        for (std::uint32_t d = 0; d < dv; ++d) o[d] += part[2 + d] * w;
+                    }
+                }
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                for (std::uint32_t d = 0; d < dv; ++d) o[d] *= inv;
+            }
+        }
+    }
+}
+}  // namespace detail_attn
+
+/// Attention of n_q query rows over layer `layer` of the cache (F16).
+/// q: n_q rows of n_head x head_dim_k floats (head-major); q_pos / q_seq: position and
+/// sequence of each row; out: n_q rows of n_head x head_dim_v floats. Query head g reads
+/// KV head g / (n_head / n_head_kv). Cell c is visible to row i when it is occupied, used
+/// by sequence q_seq[i], pos(c) <= q_pos[i] (causal) and, with a window W > 0,
+/// pos(c) > q_pos[i] - W. Online softmax in f32; a row with no visible cell gets zeros.
+/// Reads only cells [0, cache.n_window()) (F8). Throws kvcache::error(invalid_argument)
+/// on bad arguments (before writing anything).
+///
+/// Parallel work items are (KV head, group of query slots, part of the KV range): the
+/// query slots of one KV head (rows x query heads of its GQA group) are cut into groups
+/// of up to 16 that share every K/V read; when there are fewer items than about four
+/// per thread (decode of few sequences), the KV range is split too and the partial
+/// softmax states are merged at the end (split-K / flash-decoding).
+template <class Cache>
+void attention(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos, const seq_id_t* q_seq,
+               std::uint32_t n_q, const attention_params& p, float* out, attention_workspace& ws) {
+    detail_attn::check(cache, layer, q, q_pos, q_seq, n_q, p, out);
+    if (n_q == 0) return;
+    if (p.path == kernel_path::scalar) {
+        detail_attn::attention_scalar(cache, layer, q, q_pos, q_seq, n_q, p, out, ws.scratch_);
+        return;
+    }
+    using T = typename Cache::storage_type;
+    const model_shape& s = cache.shape();
+    const std::uint32_t dk = s.dim_k(), dv = s.dim_v(), hkv = s.n_head_kv, group = p.n_head / hkv;
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = p.n_threads > 0 ? p.n_threads : omp_get_max_threads();
+#endif
+    kernels::attn_shape sh;
+    sh.dk = dk;
+    sh.dv = dv;
+    sh.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(dk));
+    sh.softcap = p.softcap;
+    sh.window = p.window;
+
+    const std::uint32_t n = cache.n_window();
+    const std::uint32_t n_tiles = (n + k_tile - 1) / k_tile;
+    if (n_tiles == 0) {
+        std::fill(out, out + std::size_t{n_q} * p.n_head * dv, 0.0f);
+        return;
+    }
+    ws.tiles_.resize(n_tiles);
+    detail_attn::build_tile_meta(cache.cells(), n, ws.tiles_.data(), threads);
+    kernels::attn_meta meta;
+    meta.pos = cache.cells().pos_data();
+    meta.seqs = cache.cells().seq_data();
+    meta.tiles = ws.tiles_.data();
+
+    // Slots: per KV head, row-major over (row, head of the group), padded to a multiple of M.
+    const std::size_t want = std::size_t{n_q} * group;
+    const std::size_t M = want >= 16 ? 16 : want >= 8 ? 8 : want >= 4 ? 4 : want >= 2 ? 2 : 1;
+    const std::size_t per_head = (want + M - 1) / M * M;
+    ws.slots_.assign(per_head * hkv, kernels::attn_slot{});
+    ws.scratch_.resize(0);
+    std::vector<float*>& out_rows = ws.out_rows_;
+    out_rows.assign(per_head * hkv, nullptr);
+    for (std::uint32_t h = 0; h < hkv; ++h)
+        for (std::size_t k = 0; k < want; ++k) {
+            const auto row = static_cast<std::uint32_t>(k / group);
+            const std::uint32_t head = h * group + static_cast<std::uint32_t>(k % group);
+            kernels::attn_slot& sl = ws.slots_[h * per_head + k];
+            sl.q = q + (std::size_t{row} * p.n_head + head) * dk;
+            sl.qp = q_pos[row];
+            sl.qs = q_seq[row];
+            sl.active = true;
+            out_rows[h * per_head + k] = out + (std::size_t{row} * p.n_head + head) * dv;
+        }
+    // Padding slots read a real query (never used: they see nothing).
+    for (std::size_t x = 0; x < ws.slots_.size(); ++x)
+        if (!ws.slots_[x].active) ws.slots_[x].q = q;
+
+    // Tiles to visit: one range [0, n_tiles) (the metadata skips tiles nobody sees).
+    ws.ranges_.assign(1, kernels::tile_range{0, n_tiles});
+
+    // Split-K when there are too few items to feed the threads.
+    const std::size_t base_items = std::size_t{hkv} * (per_head / M);
+    const std::size_t target = 4 * static_cast<std::size_t>(threads);
+    std::size_t n_split = base_items >= target || threads == 1 ? 1 : (target + base_items - 1) / base_items;
+    n_split = std::max<std::size_t>(1, std::min<std::size_t>(n_split, n_tiles / 16));
+    ws.split_ranges_.clear();
+    ws.split_first_.assign(1, 0);
+    {
+        std::size_t total = 0;
+        for (const auto& r : ws.ranges_) total += r.t1 - r.t0;
+        for (std::size_t k = 0; k < n_split; ++k) {
+            const std::size_t b = total * k / n_split, e = total * (k + 1) / n_split;
+            std::size_t off = 0;
+            for (const auto& r : ws.ranges_) {
+                const std::size_t len = r.t1 - r.t0;
+                const std::size_t lo = std::max(b, off), hi = std::min(e, off + len);
+                if (lo < hi)
+                    ws.split_ranges_.push_back({static_cast<std::uint32_t>(r.t0 + (lo - off)),
+                                                static_cast<std::uint32_t>(r.t0 + (hi - off))});
+                off += len;
+            }
+            ws.split_first_.push_back(ws.split_ranges_.size());
+        }
+    }
+    const std::size_t per_thread = M * dv + M * k_tile + std::size_t{k_tile} * dv + 16;
+    ws.scratch_.resize(per_thread * static_cast<std::size_t>(threads));
+    if (n_split > 1) ws.partial_.resize(base_items * n_split * M * (dv + 2));
+
+    const kv_layer_view<const T> kv = cache.storage().view(layer);
+    auto run = [&](auto m_tag) {
+        constexpr std::size_t MM = decltype(m_tag)::value;
+        detail_attn::run_items<MM, T>(kv, meta, sh, ws.slots_.data(), per_head, hkv, ws.split_ranges_.data(),
+                                      ws.split_first_.data(), n_split, ws.scratch_.data(), per_thread,
+                                      ws.partial_.data(), out_rows.data(), threads);
+    };
+    switch (M) {
+        case 1: run(std::integral_constant<std::size_t, 1>{}); break;
+        case 2: run(std::integral_constant<std::size_t, 2>{}); break;
+        case 4: run(std::integral_constant<std::size_t, 4>{}); break;
+        case 8: run(std::integral_constant<std::size_t, 8>{}); break;
+        default: run(std::integral_constant<std::size_t, 16>{}); break;
     }
 }
 

@@ -8,16 +8,13 @@
 
 #include "../config.hpp"
 #include "../kernels/kshift.hpp"
+#include "../kernels/path.hpp"
 #include "../kernels/rope_angles.hpp"
 #include "../layout/kv_storage.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace ops {
-
-/// Which implementation apply_k_shift runs: the SIMD kernel, or the plain scalar loop the
-/// benchmarks compare against (same results up to rounding).
-enum class kernel_path : std::uint8_t { simd = 0, scalar = 1 };
 
 namespace detail_kshift {
 

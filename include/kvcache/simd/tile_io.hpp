@@ -71,6 +71,17 @@ inline void store(bfloat16* p, const fbatch& v) noexcept {
     f32_to_bf16(tmp, p, lanes);
 }
 
+/// One element as float (scalar conversion).
+inline float to_float(float x) noexcept { return x; }
+inline float to_float(half x) noexcept { return scalar::f16_to_f32(x); }
+inline float to_float(bfloat16 x) noexcept { return scalar::bf16_to_f32(x); }
+
+/// n elements at src, src + stride, ... converted to dst[0, n).
+template <class T>
+inline void to_floats(const T* src, std::size_t stride, float* dst, std::size_t n) noexcept {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = to_float(src[i * stride]);
+}
+
 /// Lane mask from bits (bit j: lane j).
 inline xsimd::batch_bool<float> lane_mask(std::uint32_t bits) noexcept {
 #if defined(__AVX512F__)

@@ -1,0 +1,266 @@
+// kvcache kernels: flash-style attention over tiled K / row-major or transposed V.
+//
+// Assumptions (checked by the caller, ops/attention.hpp):
+// - K is tiled (layout/kv_storage.hpp): tile t of head h holds cells [16t, 16t+16)
+//   dimension-major, so the scores of 16 cells for one query head are 16-lane FMAs of
+//   a broadcast q[d] with one K row: no horizontal reduction per cell.
+// - A work item is one KV head, up to M "slots" (query row x query head of the GQA
+//   group) and a list of tile ranges (cells [16*t0, 16*t1)); the contiguous layout
+//   passes one range, a paged layout its blocks, split-K a part of them.
+// - Visibility comes from attn_meta (built once per call): a tile no slot can see is
+//   skipped without touching its K/V; inside a tile, V of a cell no slot sees is never
+//   read, and masked K lanes are replaced by -inf before any use (free cells may hold
+//   garbage or NaN).
+//
+// Why it is fast: every K row and V row of a tile is loaded (and converted from f16 /
+// bf16) once for all M slots, so the M query heads of a GQA group (and, in prefill,
+// several query rows) share one read of the KV head; with M = 4 (decode, GQA 4) the
+// kernel does 4 FMAs per loaded vector, with M = 16 (prefill) 16, and the accumulators
+// stay in registers. Online softmax keeps (max, sum) per slot; rescaling of the output
+// accumulator happens only when a slot's max grows.
+#pragma once
+
+#include <xsimd/xsimd.hpp>
+
+#include <bit>      // std::countr_zero
+#include <cmath>    // std::exp, std::tanh
+#include <cstddef>  // std::size_t
+#include <cstdint>  // fixed-width integers
+#include <limits>   // infinity
+
+#include "../cells/seq_set.hpp"
+#include "../config.hpp"
+#include "../layout/kv_storage.hpp"
+#include "../model_shape.hpp"
+#include "../simd/tile_io.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace kernels {
+
+/// Tiles [t0, t1) to visit (cells [16*t0, 16*t1)).
+struct tile_range {
+    std::uint32_t t0 = 0, t1 = 0;
+};
+
+/// Summary of one K tile's cells for fast masking.
+struct tile_meta {
+    pos_t pmin = 0, pmax = -1;  ///< smallest / largest position among occupied cells
+    std::int32_t sid = -1;      ///< -1 no occupied cell, s: every occupied cell is used by s only, -2 otherwise
+    std::uint16_t occ = 0;      ///< bit j: cell 16t+j is occupied (and below n)
+};
+
+/// Per-call cell metadata the kernel masks with (cells [0, n)).
+struct attn_meta {
+    const pos_t* pos = nullptr;        ///< cell positions (-1 free)
+    const seq_set* seqs = nullptr;     ///< per cell sequence sets (read for tiles that mix sequences)
+    const tile_meta* tiles = nullptr;  ///< per tile summary
+};
+
+/// One query slot: a query row for one query head.
+struct attn_slot {
+    const float* q = nullptr;  ///< head_dim_k floats
+    pos_t qp = 0;              ///< position of the row
+    seq_id_t qs = 0;           ///< sequence of the row
+    bool active = false;       ///< false: padding slot (never visible)
+};
+
+/// Visibility of tile t's cells for one slot (bit j: cell 16t+j).
+inline std::uint32_t visible_mask(const attn_meta& m, std::uint32_t t, const attn_slot& s,
+                                  std::int32_t window) noexcept {
+    if (!s.active) return 0;
+    const tile_meta& tm = m.tiles[t];
+    if (tm.occ == 0 || (tm.sid >= 0 && tm.sid != s.qs) || tm.pmin > s.qp) return 0;
+    const std::int64_t lo = window > 0 ? std::int64_t{s.qp} - window : std::int64_t{-1};  // visible: pos > lo
+    if (tm.pmax <= lo) return 0;
+    if (tm.sid == s.qs && tm.pmax <= s.qp && tm.pmin > lo) return tm.occ;
+    std::uint32_t mask = 0;
+    for (std::uint32_t bits = tm.occ; bits != 0; bits &= bits - 1) {
+        const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+        const std::uint32_t c = t * k_tile + j;
+        const pos_t p = m.pos[c];
+        if (p > s.qp || p <= lo) continue;
+        if (m.seqs[c].test(s.qs)) mask |= 1u << j;
+    }
+    return mask;
+}
+
+/// Softmax state and output accumulator of the M slots of a work item.
+template <std::size_t M>
+struct attn_state {
+    float m[M];     ///< running max of the scaled logits (-inf: nothing seen)
+    float l[M];     ///< running sum of exp(logit - m)
+    float* acc;     ///< M x dv running outputs (not yet divided by l)
+};
+
+/// Scalars of one call shared by every work item.
+struct attn_shape {
+    std::uint32_t dk = 0, dv = 0;
+    float scale = 1.0f;
+    float softcap = 0.0f;
+    std::int32_t window = 0;
+};
+
+/// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
+/// p_buf: M x 16 floats scratch; vt_buf: 16 x dv floats scratch (transposed V only).
+template <std::size_t M, class T>
+void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta& meta, const attn_shape& sh,
+                 const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges, attn_state<M>& st,
+                 float* p_buf, float* vt_buf) noexcept {
+    using simd::fbatch;
+    constexpr std::size_t L = simd::lanes;
+    constexpr std::size_t B = k_tile / L;  // sub-batches per tile
+    // Independent FMA chains in the score loop: at least 8 (latency x pipes) when M is small.
+    constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
+    // d-blocks of V processed together, for the same reason.
+    constexpr std::size_t VB = M >= 8 ? 1 : 8 / M;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    const std::uint32_t dk = sh.dk, dv = sh.dv;
+    const bool vt = kv.vl == v_layout::transposed;
+
+    for (std::size_t r = 0; r < n_ranges; ++r) {
+        for (std::uint32_t t = ranges[r].t0; t < ranges[r].t1; ++t) {
+            std::uint32_t mask[M];
+            std::uint32_t any = 0;
+            for (std::size_t s = 0; s < M; ++s) {
+                mask[s] = visible_mask(meta, t, slots[s], sh.window);
+                any |= mask[s];
+            }
+            if (any == 0) continue;
+
+            // ---- scores: sc[s] = q_s . K[:, cells of the tile]
+            const T* kt = kv.k_tile_ptr(h, t);
+            fbatch sc[M][B];
+            {
+                fbatch part[KC][M][B];
+                for (std::size_t c = 0; c < KC; ++c)
+                    for (std::size_t s = 0; s < M; ++s)
+                        for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
+                std::uint32_t d = 0;
+                for (; d + KC <= dk; d += KC) {
+                    for (std::size_t c = 0; c < KC; ++c) {
+                        fbatch krow[B];
+                        for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
+                        for (std::size_t s = 0; s < M; ++s) {
+                            const fbatch qd(slots[s].q[d + c]);
+                            for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
+                        }
+                    }
+                }
+                for (; d < dk; ++d) {
+                    fbatch krow[B];
+                    for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
+                    for (std::size_t s = 0; s < M; ++s) {
+                        const fbatch qd(slots[s].q[d]);
+                        for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
+                    }
+                }
+                for (std::size_t s = 0; s < M; ++s)
+                    for (std::size_t b = 0; b < B; ++b) {
+                        fbatch v = part[0][s][b];
+                        for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
+                        sc[s][b] = v;
+                    }
+            }
+
+            // ---- online softmax per slot; p_buf[s][j] = exp(logit - m) (0 where masked)
+            float alpha[M];
+            bool rescale = false;
+            for (std::size_t s = 0; s < M; ++s) {
+                alpha[s] = 1.0f;
+                if (mask[s] == 0) {
+                    for (std::size_t b = 0; b < B; ++b) fbatch(0.0f).store_unaligned(p_buf + s * k_tile + b * L);
+                    continue;
+                }
+                float tmax = ninf;
+                for (std::size_t b = 0; b < B; ++b) {
+                    fbatch x = sc[s][b] * fbatch(sh.scale);
+                    if (sh.softcap > 0.0f) x = fbatch(sh.softcap) * xsimd::tanh(x / fbatch(sh.softcap));
+                    x = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
+                    sc[s][b] = x;
+                    const float mb = simd::hmax(x);
+                    tmax = mb > tmax ? mb : tmax;
+                }
+                const float m_new = tmax > st.m[s] ? tmax : st.m[s];
+                if (m_new != st.m[s]) {
+                    alpha[s] = st.m[s] == ninf ? 0.0f : std::exp(st.m[s] - m_new);
+                    rescale = true;
+                    st.m[s] = m_new;
+                }
+                fbatch sum(0.0f);
+                for (std::size_t b = 0; b < B; ++b) {
+                    const fbatch pb = xsimd::exp(sc[s][b] - fbatch(m_new));
+                    pb.store_unaligned(p_buf + s * k_tile + b * L);
+                    sum += pb;
+                }
+                st.l[s] = st.l[s] * alpha[s] + xsimd::hadd(sum);
+            }
+
+            // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j]
+            const T* vsrc = nullptr;
+            std::size_t vstride = dv;
+            if (!vt) {
+                vsrc = kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile * dv;
+            } else {
+                // Transposed V: gather the visible cells' rows into row-major scratch.
+                for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+                    const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                    simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile + j, kv.n_cells_pad,
+                                    vt_buf + std::size_t{j} * dv, dv);
+                }
+            }
+            auto accumulate = [&](auto* src) {
+                std::uint32_t d = 0;
+                for (; d + VB * L <= dv; d += VB * L) {
+                    fbatch a[M][VB];
+                    for (std::size_t s = 0; s < M; ++s)
+                        for (std::size_t v = 0; v < VB; ++v) {
+                            a[s][v] = fbatch::load_unaligned(st.acc + s * dv + d + v * L);
+                            if (rescale) a[s][v] *= fbatch(alpha[s]);
+                        }
+                    for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+                        const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                        fbatch vr[VB];
+                        for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + j * vstride + d + v * L);
+                        for (std::size_t s = 0; s < M; ++s) {
+                            const fbatch pj(p_buf[s * k_tile + j]);
+                            for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
+                        }
+                    }
+                    for (std::size_t s = 0; s < M; ++s)
+                        for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st.acc + s * dv + d + v * L);
+                }
+                for (; d + L <= dv; d += L) {
+                    fbatch a[M];
+                    for (std::size_t s = 0; s < M; ++s) {
+                        a[s] = fbatch::load_unaligned(st.acc + s * dv + d);
+                        if (rescale) a[s] *= fbatch(alpha[s]);
+                    }
+                    for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+                        const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                        const fbatch vr = simd::load(src + j * vstride + d);
+                        for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * k_tile + j]), vr, a[s]);
+                    }
+                    for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
+                }
+                for (; d < dv; ++d) {
+                    for (std::size_t s = 0; s < M; ++s) {
+                        float a = st.acc[s * dv + d];
+                        if (rescale) a *= alpha[s];
+                        for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+                            const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                            a += p_buf[s * k_tile + j] * simd::to_float(src[j * vstride + d]);
+                        }
+                        st.acc[s * dv + d] = a;
+                    }
+                }
+            };
+            if (!vt)
+                accumulate(vsrc);
+            else
+                accumulate(static_cast<const float*>(vt_buf));
+        }
+    }
+}
+
+}  // namespace kernels
+KVCACHE_END_NAMESPACE

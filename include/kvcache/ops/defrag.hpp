@@ -1,0 +1,119 @@
+// kvcache ops: defragmentation of the contiguous layout (F7).
+//
+// Attention reads cells [0, n) with n = last used cell + 1 (F8), so holes below the
+// last used cell cost bandwidth. When fragmentation 1 - used / n exceeds a threshold
+// (and n >= min_cells), defrag() moves occupied cells from the end into the holes at
+// the front: the hole nearest the front takes the occupied cell nearest the end, K and
+// V of every layer move with the cell's metadata (position, sequences, pending shift),
+// at most max_moves cells per pass. Every sequence's contents, and so every attention
+// result, are bit-identical before and after; only cell indices change.
+//
+// Layouts that place cells themselves (paged blocks, ring regions) keep their own
+// order and are refused at compile time.
+#pragma once
+
+#include <cmath>    // std::isfinite
+#include <cstddef>  // std::size_t
+#include <cstdint>  // fixed-width integers
+#include <cstring>  // std::memcpy
+#include <string>   // messages
+#include <utility>  // std::pair
+#include <vector>   // move list
+
+#include "../cells/cell_table.hpp"
+#include "../config.hpp"
+#include "../detail/policy_select.hpp"
+#include "../error.hpp"
+#include "../layout/kv_storage.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace ops {
+
+/// When and how much defrag() compacts.
+struct defrag_params {
+    float threshold = 0.1f;       ///< compact when fragmentation > threshold; in [0, 1]
+    std::uint32_t min_cells = 128;  ///< never compact while n = last used cell + 1 < min_cells
+    std::uint32_t max_moves = 0;  ///< cells moved per pass at most; 0 = no bound
+    int n_threads = 0;            ///< <= 0: the OpenMP default (layers are copied in parallel)
+};
+
+/// What one defrag() pass did.
+struct defrag_result {
+    std::uint32_t moves = 0;      ///< cells moved
+    std::size_t bytes_moved = 0;  ///< K and V bytes copied (all layers)
+};
+
+/// 1 - used / n with n = last used cell + 1; 0 for an empty cache.
+template <class Cache>
+[[nodiscard]] double fragmentation(const Cache& cache) noexcept {
+    if (cache.used() == 0) return 0.0;
+    const double n = static_cast<double>(cache.cells().last_used()) + 1.0;
+    return 1.0 - static_cast<double>(cache.used()) / n;
+}
+
+/// Compacts the cache if fragmentation(cache) > p.threshold and n >= p.min_cells.
+/// Refused while placements are staged (errc::transaction_open) and for bad parameters
+/// (errc::invalid_argument); a refused call changes nothing.
+template <class Cache>
+defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
+    using storage_t = typename Cache::storage_t;
+    static_assert(!requires(storage_t& s) { s.observer(); },
+                  "kvcache::ops::defrag: only for layouts without their own placement (contiguous); paged and "
+                  "ring layouts keep their cells in blocks / regions");
+    if (!std::isfinite(p.threshold) || p.threshold < 0.0f || p.threshold > 1.0f)
+        detail::fail(errc::invalid_argument,
+                     "defrag: threshold = " + std::to_string(p.threshold) + ", must be in [0, 1]");
+    cell_table& cells = cache.cells_for_update(detail::internal_access{});  // refuses an open transaction
+    defrag_result res;
+    if (cells.used() == 0) return res;
+    const std::uint32_t n = cells.last_used() + 1;
+    if (n < p.min_cells || fragmentation(cache) <= p.threshold) return res;
+
+    // Plan: holes from the front meet occupied cells from the back.
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> moves;  // (src, dst)
+    std::uint32_t hole = 0, data = n - 1;
+    const std::uint32_t limit = p.max_moves == 0 ? n : p.max_moves;
+    while (moves.size() < limit) {
+        while (hole < data && !cells.is_free(hole)) ++hole;
+        while (data > hole && cells.is_free(data)) --data;
+        if (hole >= data) break;
+        moves.emplace_back(data, hole);
+        ++hole;
+        --data;
+    }
+    if (moves.empty()) return res;
+
+    // K and V of every layer: layers in parallel, each moving cell in turn.
+    auto& storage = cache.storage();
+    const model_shape& shape = cache.shape();
+    using T = typename Cache::storage_type;
+    const auto n_layer = static_cast<std::int64_t>(shape.n_layer);
+    const int threads = p.n_threads;
+    static_cast<void>(threads);
+    KVCACHE_OMP(parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads()))
+    for (std::int64_t l = 0; l < n_layer; ++l) {
+        const auto v = storage.view(static_cast<std::uint32_t>(l));
+        for (std::uint32_t h = 0; h < v.n_head_kv; ++h)
+            for (const auto& [src, dst] : moves) {
+                for (std::uint32_t d = 0; d < v.dim_k; ++d) v.k[v.k_offset(h, dst, d)] = v.k[v.k_offset(h, src, d)];
+                if (v.vl == v_layout::row_major) {
+                    std::memcpy(v.v + v.v_offset(h, dst, 0), v.v + v.v_offset(h, src, 0), sizeof(T) * v.dim_v);
+                } else {
+                    for (std::uint32_t d = 0; d < v.dim_v; ++d) v.v[v.v_offset(h, dst, d)] = v.v[v.v_offset(h, src, d)];
+                }
+            }
+    }
+    // Metadata: each destination takes its source's exact state.
+    for (const auto& [src, dst] : moves) {
+        const cell_table::snapshot s = cells.save(src);
+        cells.free_cell(src);
+        cells.load(dst, s);
+    }
+    cache.reset_head(detail::internal_access{});
+    res.moves = static_cast<std::uint32_t>(moves.size());
+    res.bytes_moved = moves.size() * cache.bytes_per_token();
+    return res;
+}
+
+}  // namespace ops
+KVCACHE_END_NAMESPACE

@@ -1,0 +1,51 @@
+// kvcache ops: memory accounting per layout (bytes reserved, in use, held, wasted).
+//
+// - reserved: every K/V buffer the cache allocated (F2: all of it, once).
+// - used:     occupied cells x bytes per token (a cell shared by several sequences
+//             counts once).
+// - held:     cells no other sequence can take right now, x bytes per token:
+//             contiguous: the occupied cells (any free cell takes any token);
+//             paged:      every referenced block in full (free cells of a block belong
+//                         to the sequences using it);
+//             ring:       the whole region of every sequence that has cells.
+// - waste = held - used: memory lost to the layout's granularity (vLLM's "< 4%"
+//   for paged blocks is this number).
+#pragma once
+
+#include <cstddef>  // std::size_t
+#include <cstdint>  // std::uint64_t
+
+#include "../config.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace ops {
+
+/// Memory of one cache, in bytes (see the file comment for the definitions).
+struct memory_usage {
+    std::size_t reserved_bytes = 0;
+    std::size_t used_bytes = 0;
+    std::size_t held_bytes = 0;
+
+    /// held - used.
+    [[nodiscard]] std::size_t waste_bytes() const noexcept { return held_bytes - used_bytes; }
+    /// waste / held (0 when nothing is held).
+    [[nodiscard]] double waste_fraction() const noexcept {
+        return held_bytes == 0 ? 0.0 : static_cast<double>(waste_bytes()) / static_cast<double>(held_bytes);
+    }
+};
+
+/// Memory accounting of a cache; layouts report held cells through storage().held_cells().
+template <class Cache>
+[[nodiscard]] memory_usage memory(const Cache& cache) {
+    memory_usage m;
+    m.reserved_bytes = cache.total_bytes();
+    m.used_bytes = std::size_t{cache.used()} * cache.bytes_per_token();
+    std::uint64_t held = cache.used();
+    if constexpr (requires { cache.storage().held_cells(cache.cells()); })
+        held = cache.storage().held_cells(cache.cells());
+    m.held_bytes = static_cast<std::size_t>(held) * cache.bytes_per_token();
+    return m;
+}
+
+}  // namespace ops
+KVCACHE_END_NAMESPACE

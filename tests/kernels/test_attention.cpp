@@ -1,0 +1,313 @@
+// ops::attention against the float64 oracle (tests/reference/attention_ref.hpp).
+#include <doctest/doctest.h>
+
+#include <kvcache/kvcache.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "reference/attention_ref.hpp"
+
+namespace {
+
+using kvcache::pos_t;
+using kvcache::seq_id_t;
+
+struct scenario_cfg {
+    std::uint32_t n_head_kv = 2, dk = 64, dv = 0, n_cells = 200, n_seq = 3, rounds = 30;
+    bool holes = true, shared = true;
+};
+
+kvcache::model_shape make_shape(const scenario_cfg& c) {
+    kvcache::model_shape s;
+    s.n_layer = 2;
+    s.n_head_kv = c.n_head_kv;
+    s.head_dim_k = c.dk;
+    s.head_dim_v = c.dv;
+    s.n_cells = c.n_cells;
+    s.n_seq_max = c.n_seq + 1;  // the last sequence stays empty unless seq_cp fills it
+    return s;
+}
+
+// Fills the cache the same way for the same seed whatever its element type: sequences
+// interleaved in the cells, holes from seq_rm, shared cells from seq_cp, NaN in every
+// free cell so that a kernel reading one arithmetically poisons the output.
+template <class Cache>
+void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const auto& s = cache.shape();
+    std::vector<pos_t> next(c.n_seq + 1, 0);
+    auto place_some = [&](std::uint32_t rounds) {
+        for (std::uint32_t r = 0; r < rounds; ++r) {
+            const auto sq = static_cast<seq_id_t>(rng() % c.n_seq);
+            const std::uint32_t n = 1 + rng() % 8;
+            if (n > cache.capacity() - cache.used()) break;
+            std::vector<pos_t> pos(n);
+            std::vector<seq_id_t> seq(n, sq);
+            for (auto& p : pos) p = next[static_cast<std::size_t>(sq)]++;
+            auto pl = cache.place(pos, seq).value();
+            for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+                std::vector<float> k(n * s.k_row_size()), v(n * s.v_row_size());
+                for (auto& x : k) x = nd(rng);
+                for (auto& x : v) x = nd(rng);
+                cache.write_k(l, pl.cells, k.data());
+                cache.write_v(l, pl.cells, v.data());
+            }
+            static_cast<void>(cache.commit());
+        }
+    };
+    place_some(c.rounds);
+    if (c.holes) {
+        for (seq_id_t sq = 0; sq < static_cast<seq_id_t>(c.n_seq); ++sq) {
+            const pos_t p0 = static_cast<pos_t>(rng() % 10);
+            cache.seq_rm(sq, p0, p0 + 3);
+        }
+        place_some(c.rounds / 3);
+    }
+    if (c.shared) {
+        const auto dst = static_cast<seq_id_t>(c.n_seq);
+        cache.seq_cp(0, dst, 0, 12);
+    }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    using T = typename Cache::storage_type;
+    T bad;
+    Cache::element::from_float(&nan, &bad, 1);
+    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+        auto v = cache.storage().view(l);
+        for (std::uint32_t cell = 0; cell < v.n_cells_pad; ++cell) {
+            if (cell < cache.capacity() && !cache.cells().is_free(cell)) continue;
+            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
+                for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, cell, d)] = bad;
+                for (std::uint32_t d = 0; d < s.dim_v(); ++d) v.v[v.v_offset(h, cell, d)] = bad;
+            }
+        }
+    }
+}
+
+double nmse(const std::vector<float>& got, const std::vector<double>& want) {
+    double num = 0.0, den = 0.0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+        const double d = got[i] - want[i];
+        num += d * d;
+        den += want[i] * want[i];
+    }
+    return den > 0.0 ? num / den : num;
+}
+
+struct query_set {
+    std::vector<float> q;
+    std::vector<pos_t> pos;
+    std::vector<seq_id_t> seq;
+};
+
+query_set random_queries(std::mt19937& rng, std::uint32_t n_q, std::uint32_t n_head, std::uint32_t dk,
+                         std::uint32_t n_seq, pos_t max_pos) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    query_set qs;
+    qs.q.resize(std::size_t{n_q} * n_head * dk);
+    for (auto& x : qs.q) x = nd(rng);
+    for (std::uint32_t i = 0; i < n_q; ++i) {
+        qs.seq.push_back(static_cast<seq_id_t>(rng() % (n_seq + 1)));
+        qs.pos.push_back(static_cast<pos_t>(rng() % static_cast<std::uint32_t>(max_pos + 4)));
+    }
+    return qs;
+}
+
+template <class Cache>
+void check_case(const scenario_cfg& c, std::uint32_t seed, std::uint32_t group, std::uint32_t n_q,
+                kvcache::ops::attention_params p, double tol_self, double tol_f32) {
+    CAPTURE(seed);
+    CAPTURE(c.n_head_kv);
+    CAPTURE(c.dk);
+    CAPTURE(c.dv);
+    CAPTURE(c.n_cells);
+    CAPTURE(group);
+    CAPTURE(n_q);
+    CAPTURE(p.window);
+    CAPTURE(p.softcap);
+    CAPTURE(p.n_threads);
+    const auto shape = make_shape(c);
+    Cache cache(shape);
+    build(cache, c, seed);
+    using f32_cache = kvcache::kv_cache<kvcache::f32, typename Cache::layout>;
+    f32_cache exact(shape);
+    build(exact, c, seed);
+    p.n_head = c.n_head_kv * group;
+    std::mt19937 rng(seed ^ 0x9e3779b9u);
+    pos_t max_pos = 0;
+    for (seq_id_t s = 0; s <= static_cast<seq_id_t>(c.n_seq); ++s) max_pos = std::max(max_pos, cache.seq_pos_max(s));
+    const auto qs = random_queries(rng, n_q, p.n_head, shape.dim_k(), c.n_seq, max_pos);
+    std::vector<float> out(std::size_t{n_q} * p.n_head * shape.dim_v(), -1.0f);
+    kvcache::ops::attention_workspace ws;
+    for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
+        kvcache::ops::attention(cache, layer, qs.q.data(), qs.pos.data(), qs.seq.data(), n_q, p, out.data(), ws);
+        for (float x : out) REQUIRE(std::isfinite(x));
+        // Against the oracle on the stored (rounded) K/V: only the kernel's f32 arithmetic differs.
+        const auto want = ref::attention(cache, layer, qs.q, qs.pos, qs.seq, p);
+        CHECK(nmse(out, want) <= tol_self);
+        // Against the oracle on unrounded f32 K/V: storage rounding included.
+        const auto want32 = ref::attention(exact, layer, qs.q, qs.pos, qs.seq, p);
+        CHECK(nmse(out, want32) <= tol_f32);
+        // Rows with no visible cell are exactly zero.
+        for (std::uint32_t i = 0; i < n_q; ++i) {
+            bool visible = false;
+            for (std::uint32_t cell = 0; cell < cache.n_window(); ++cell) {
+                const pos_t pc = cache.cells().pos(cell);
+                if (pc >= 0 && cache.cells().seqs(cell).test(qs.seq[i]) && pc <= qs.pos[i] &&
+                    (p.window == 0 || std::int64_t{pc} > std::int64_t{qs.pos[i]} - p.window))
+                    visible = true;
+            }
+            if (!visible)
+                for (std::size_t k = 0; k < std::size_t{p.n_head} * shape.dim_v(); ++k)
+                    CHECK(out[i * p.n_head * shape.dim_v() + k] == 0.0f);
+        }
+        // The scalar path agrees.
+        auto ps = p;
+        ps.path = kvcache::ops::kernel_path::scalar;
+        std::vector<float> out_s(out.size());
+        kvcache::ops::attention(cache, layer, qs.q.data(), qs.pos.data(), qs.seq.data(), n_q, ps, out_s.data(), ws);
+        CHECK(nmse(out_s, want) <= tol_self);
+    }
+}
+
+template <class Element, kvcache::v_layout VL>
+struct combo {
+    using cache = kvcache::kv_cache<Element, kvcache::contiguous<VL>>;
+    static constexpr double tol_f32 = std::is_same_v<Element, kvcache::f32>   ? 1e-10
+                                      : std::is_same_v<Element, kvcache::f16> ? 5e-4
+                                                                              : 5e-3;
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("attention matches the float64 oracle over random shapes", C,
+                   combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>,
+                   combo<kvcache::bf16, kvcache::v_layout::row_major>,
+                   combo<kvcache::f16, kvcache::v_layout::transposed>,
+                   combo<kvcache::f32, kvcache::v_layout::transposed>) {
+    const std::uint32_t base_seed = 20261122;
+    MESSAGE("seed base ", base_seed);
+    std::mt19937 rng(base_seed);
+    const std::uint32_t dims[][2] = {{64, 0}, {16, 16}, {40, 24}, {128, 0}, {48, 72}, {8, 5}};
+    const std::uint32_t groups[] = {1, 2, 4, 8};
+    for (int it = 0; it < 12; ++it) {
+        scenario_cfg c;
+        c.n_head_kv = 1 + rng() % 3;
+        c.dk = dims[it % 6][0];
+        c.dv = dims[it % 6][1];
+        c.n_cells = 17 + rng() % 300;  // rarely a multiple of any vector width
+        c.n_seq = 1 + rng() % 4;
+        c.rounds = 10 + rng() % 40;
+        const std::uint32_t group = groups[it % 4];
+        kvcache::ops::attention_params p;
+        p.n_threads = 1 + static_cast<int>(rng() % 3);
+        if (it % 3 == 1) p.window = 1 + static_cast<std::int32_t>(rng() % 20);
+        if (it % 4 == 2) p.softcap = 5.0f;
+        if (it % 5 == 3) p.scale = 0.3f;
+        const std::uint32_t n_q = 1 + rng() % 40;
+        check_case<typename C::cache>(c, rng(), group, n_q, p, 1e-10, C::tol_f32);
+    }
+}
+
+TEST_CASE_TEMPLATE("attention decode with split-K matches the oracle", C,
+                   combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
+    for (int threads : {1, 2, 3, 8}) {
+        scenario_cfg c;
+        c.n_head_kv = 1;
+        c.dk = 128;
+        c.n_cells = 1500;
+        c.n_seq = 1;
+        c.rounds = 300;
+        kvcache::ops::attention_params p;
+        p.n_threads = threads;
+        check_case<typename C::cache>(c, 777u + static_cast<std::uint32_t>(threads), 4, 1, p, 1e-10, C::tol_f32);
+        p.window = 100;
+        check_case<typename C::cache>(c, 778u, 4, 1, p, 1e-10, C::tol_f32);
+    }
+}
+
+TEST_CASE("attention: a query that sees nothing gets zeros, never NaN") {
+    scenario_cfg c;
+    c.n_seq = 2;
+    c.shared = false;
+    const auto shape = make_shape(c);
+    kvcache::kv_cache<kvcache::f16> cache(shape);
+    build(cache, c, 5);
+    kvcache::ops::attention_params p;
+    p.n_head = shape.n_head_kv * 2;
+    std::vector<float> q(std::size_t{3} * p.n_head * shape.dim_k(), 1.0f), out(std::size_t{3} * p.n_head * shape.dim_v(), 7.0f);
+    // Sequence 2 (empty), a position below every cell of sequence 0 (after seq_rm of [0, 3) ...),
+    // and a window that hides everything.
+    std::vector<pos_t> pos = {5, 0, 1000000};
+    std::vector<seq_id_t> seq = {2, 1, 0};
+    cache.seq_rm(1, 0, 1);
+    p.window = 1;
+    kvcache::ops::attention_workspace ws;
+    kvcache::ops::attention(cache, 0, q.data(), pos.data(), seq.data(), 3, p, out.data(), ws);
+    for (float x : out) CHECK(x == 0.0f);
+    // Empty cache.
+    kvcache::kv_cache<kvcache::f32> empty(shape);
+    kvcache::ops::attention(empty, 0, q.data(), pos.data(), seq.data(), 3, p, out.data(), ws);
+    for (float x : out) CHECK(x == 0.0f);
+}
+
+TEST_CASE("attention: bad arguments throw and write nothing") {
+    scenario_cfg c;
+    const auto shape = make_shape(c);
+    kvcache::kv_cache<kvcache::f32> cache(shape);
+    build(cache, c, 9);
+    kvcache::ops::attention_params p;
+    p.n_head = shape.n_head_kv;
+    std::vector<float> q(std::size_t{p.n_head} * shape.dim_k(), 1.0f), out(std::size_t{p.n_head} * shape.dim_v(), 7.0f);
+    pos_t pos = 3;
+    seq_id_t seq = 0;
+    kvcache::ops::attention_workspace ws;
+    auto expect_throw = [&](kvcache::ops::attention_params pp, std::uint32_t layer, const float* qq, const pos_t* qp,
+                            const seq_id_t* qsq, float* o, const char* what) {
+        CAPTURE(what);
+        try {
+            kvcache::ops::attention(cache, layer, qq, qp, qsq, 1, pp, o, ws);
+            FAIL("no exception");
+        } catch (const kvcache::error& e) {
+            CHECK(e.code() == kvcache::errc::invalid_argument);
+            CHECK(std::string(e.what()).find(what) != std::string::npos);
+        }
+        for (float x : out) CHECK(x == 7.0f);
+    };
+    expect_throw(p, 2, q.data(), &pos, &seq, out.data(), "layer = 2");
+    auto bad = p;
+    bad.n_head = 3;
+    expect_throw(bad, 0, q.data(), &pos, &seq, out.data(), "n_head = 3");
+    bad = p;
+    bad.n_head = 0;
+    expect_throw(bad, 0, q.data(), &pos, &seq, out.data(), "n_head = 0");
+    bad = p;
+    bad.scale = -1.0f;
+    expect_throw(bad, 0, q.data(), &pos, &seq, out.data(), "scale");
+    bad = p;
+    bad.scale = std::numeric_limits<float>::infinity();
+    expect_throw(bad, 0, q.data(), &pos, &seq, out.data(), "scale");
+    bad = p;
+    bad.window = -2;
+    expect_throw(bad, 0, q.data(), &pos, &seq, out.data(), "window = -2");
+    bad = p;
+    bad.softcap = std::numeric_limits<float>::quiet_NaN();
+    expect_throw(bad, 0, q.data(), &pos, &seq, out.data(), "softcap");
+    expect_throw(p, 0, nullptr, &pos, &seq, out.data(), "q is null");
+    expect_throw(p, 0, q.data(), nullptr, &seq, out.data(), "q_pos is null");
+    expect_throw(p, 0, q.data(), &pos, nullptr, out.data(), "q_seq is null");
+    seq_id_t bad_seq = 99;
+    expect_throw(p, 0, q.data(), &pos, &bad_seq, out.data(), "q_seq[0] = 99");
+    pos_t bad_pos = -1;
+    expect_throw(p, 0, q.data(), &bad_pos, &seq, out.data(), "q_pos[0] = -1");
+    try {
+        kvcache::ops::attention(cache, 0, q.data(), &pos, &seq, 1, p, nullptr, ws);
+        FAIL("no exception");
+    } catch (const kvcache::error& e) {
+        CHECK(std::string(e.what()).find("out is null") != std::string::npos);
+    }
+}
