@@ -12,7 +12,8 @@
 //   20     4     flags (0)
 //   24     48    fingerprint: n_layer, n_head_kv, head_dim_k, head_dim_v, element type_id,
 //                element size, rope type, rope n_rot, rope freq_base (f32 bits), rope
-//                freq_scale (f32 bits), layout_id (informational), window (0 = none)
+//                freq_scale (f32 bits), layout_id (informational: states load across
+//                layouts), window (0 = none; checked only when state and cache both have one)
 //   72     4     seq: the saved sequence for kind 1, -1 for kind 0
 //   76     4     reserved (0)
 //   80     8     n_tokens

@@ -436,7 +436,7 @@ result<staged_state> parse_state(const char* fn, const Cache& cache, std::span<c
     for (int i = 0; i < 12; ++i) {
         const auto got = r.get<std::uint32_t>();
         if (i == 10) continue;                   // layout kind: informational, states load across layouts
-        if (i == 11 && want_f[i] == 0) continue;  // a layout without a window takes any state
+        if (i == 11 && (want_f[i] == 0 || got == 0)) continue;  // windows must agree only when both have one
         if (got != want_f[i])
             return err(i == 4 || i == 5 ? errc::dtype_mismatch : errc::shape_mismatch,
                        std::string(names[i]) + " = " + std::to_string(got) + " in the state, the cache has " +
