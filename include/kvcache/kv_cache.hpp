@@ -246,7 +246,8 @@ public:
         check_no_tx("seq_rm");
         check_seq("seq_rm", "seq_id", s, true);
         const auto [lo, hi] = range("seq_rm", p0, p1);
-        if constexpr (requires { storage_.check_seq_rm(cells_, s, lo, hi); }) storage_.check_seq_rm(cells_, s, lo, hi);
+        if constexpr (requires(std::int64_t x) { storage_.check_seq_rm(cells_, s, x, x); })
+            storage_.check_seq_rm(cells_, s, lo, hi);  // (clang 14: no structured bindings inside requires)
         std::vector<std::uint32_t> hit;
         for (std::uint32_t c : cells_.used_cells())
             if (in_range(c, lo, hi) && (s < 0 || cells_.seqs(c).test(s))) hit.push_back(c);
@@ -275,7 +276,7 @@ public:
                                  std::to_string(cells_.pos(c)) + "; seq_rm it first");
             hit.push_back(c);
         }
-        if constexpr (requires { storage_.before_seq_cp(cells_, src, dst, lo, hi); })
+        if constexpr (requires(std::int64_t x) { storage_.before_seq_cp(cells_, src, dst, x, x); })
             storage_.before_seq_cp(cells_, src, dst, lo, hi);
         for (std::uint32_t c : hit) cells_.add_seq(c, dst);
     }
