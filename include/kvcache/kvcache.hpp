@@ -27,6 +27,7 @@
 #include "ops/rope.hpp"
 #include "ops/kshift.hpp"
 #include "ops/attention.hpp"
+#include "ops/context_shift.hpp"
 #include "prompt/prompt_tokens.hpp"
 #include "prompt/radix_index.hpp"
 #include "prompt/entry_store.hpp"

@@ -1,0 +1,137 @@
+// kvcache ops: context shift for endless generation (F13) and Self-Extend grouped
+// attention (F14), built on the sequence operations. Both validate every argument
+// and check that the operations cannot fail half-way before changing anything.
+#pragma once
+
+#include <cstdint>   // fixed-width integers
+#include <optional>  // default n_discard
+#include <string>    // messages
+
+#include "../error.hpp"
+#include "../model_shape.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace ops {
+
+/// What a context shift did: positions [n_keep, n_keep + n_discard) were removed and
+/// [n_keep + n_discard, n_past) moved left by n_discard; the sequence now ends at n_past_after.
+struct context_shift_result {
+    pos_t n_keep = 0;
+    pos_t n_discard = 0;
+    pos_t n_past_after = 0;
+};
+
+namespace detail_ctx {
+/// Cells of `seq` at positions >= from that other sequences also use (each needs a free
+/// cell to be split off before it can move).
+template <class Cache>
+std::uint32_t shared_cells_from(const Cache& cache, seq_id_t seq, std::int64_t from) {
+    const auto& cells = cache.cells();
+    std::uint32_t n = 0;
+    for (std::uint32_t c : cells.used_cells())
+        if (cells.pos(c) >= from && cells.seqs(c).test(seq) && cells.seqs(c).count() > 1) ++n;
+    return n;
+}
+/// Cells freed when `seq` leaves positions [lo, hi): those no other sequence uses.
+template <class Cache>
+std::uint32_t exclusive_cells_in(const Cache& cache, seq_id_t seq, std::int64_t lo, std::int64_t hi) {
+    const auto& cells = cache.cells();
+    std::uint32_t n = 0;
+    for (std::uint32_t c : cells.used_cells())
+        if (cells.pos(c) >= lo && cells.pos(c) < hi && cells.seqs(c).test(seq) && cells.seqs(c).count() == 1) ++n;
+    return n;
+}
+}  // namespace detail_ctx
+
+/// F13: context shift of sequence `seq`, whose next position is n_past = seq_pos_max + 1.
+/// Keeps the first n_keep positions, discards the n_discard after them (default:
+/// (n_past - n_keep) / 2) and moves the rest left by n_discard, recording the K-shift
+/// (apply it with ops::apply_k_shift before the next attention).
+/// Requires 0 <= n_keep <= n_past and 0 < n_discard <= n_past - n_keep; anything else
+/// throws kvcache::error(invalid_argument) naming the value (llama.cpp accepted a negative
+/// n_discard: CVE-2026-21869). Throws errc::no_space if shared cells cannot be split.
+/// The cache is unchanged when it throws.
+template <class Cache>
+context_shift_result context_shift(Cache& cache, seq_id_t seq, pos_t n_keep, std::optional<pos_t> n_discard = {}) {
+    using std::to_string;
+    const pos_t n_past = cache.seq_pos_max(seq) + 1;  // validates seq
+    if (n_keep < 0 || n_keep > n_past)
+        detail::fail(errc::invalid_argument, "context_shift: n_keep = " + to_string(n_keep) + ", must be in [0, n_past = " +
+                                                 to_string(n_past) + "]");
+    const pos_t discard = n_discard.value_or((n_past - n_keep) / 2);
+    if (discard <= 0 || discard > n_past - n_keep)
+        detail::fail(errc::invalid_argument, "context_shift: n_discard = " + to_string(discard) +
+                                                 ", must be in [1, n_past - n_keep = " + to_string(n_past - n_keep) + "]");
+    const std::int64_t moved_from = std::int64_t{n_keep} + discard;
+    const std::uint32_t splits = detail_ctx::shared_cells_from(cache, seq, moved_from);
+    const std::uint32_t freed = detail_ctx::exclusive_cells_in(cache, seq, n_keep, moved_from);
+    if (splits > cache.capacity() - cache.used() + freed)
+        detail::fail(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) + " free cells, " +
+                                         to_string(cache.capacity() - cache.used() + freed) + " available");
+    cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from));
+    cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard);
+    return {n_keep, discard, n_past - discard};
+}
+
+/// F14: Self-Extend state of one sequence: group factor ga_n, window ga_w (a multiple of
+/// ga_n), and ga_i, the start of the next group (0 at the start of a sequence).
+struct self_extend_state {
+    int ga_n = 1;
+    int ga_w = 512;
+    pos_t ga_i = 0;
+};
+
+/// F14: compresses the positions of `seq` beyond the pretrained window as Self-Extend does,
+/// while n_past >= ga_i + ga_w: each round shifts [ga_i, n_past) by ib*bd, divides the next
+/// window [ga_i + ib*bd, ga_i + ib*bd + ga_w) by ga_n, and shifts the rest by dd, with
+/// ib = ga_n*ga_i/ga_w, bd = (ga_w/ga_n)*(ga_n-1), dd = ga_w/ga_n - ib*bd - ga_w.
+/// Returns the new n_past (n_past - bd per round) and advances st.ga_i by ga_w/ga_n.
+/// Records the K-shifts (apply them with ops::apply_k_shift). Throws kvcache::error on
+/// invalid ga_n / ga_w / n_past, or no_space if shared cells cannot be split; the cache and
+/// st are unchanged when it throws.
+template <class Cache>
+pos_t self_extend(Cache& cache, seq_id_t seq, self_extend_state& st, pos_t n_past) {
+    using std::to_string;
+    static_cast<void>(cache.seq_pos_max(seq));  // validates seq
+    if (st.ga_n < 1) detail::fail(errc::invalid_argument, "self_extend: ga_n = " + to_string(st.ga_n) + ", must be >= 1");
+    if (st.ga_w <= 0 || st.ga_w % st.ga_n != 0)
+        detail::fail(errc::invalid_argument, "self_extend: ga_w = " + to_string(st.ga_w) +
+                                                 ", must be > 0 and a multiple of ga_n = " + to_string(st.ga_n));
+    if (st.ga_i < 0) detail::fail(errc::invalid_argument, "self_extend: ga_i = " + to_string(st.ga_i) + ", must be >= 0");
+    if (n_past < 0) detail::fail(errc::invalid_argument, "self_extend: n_past = " + to_string(n_past) + ", must be >= 0");
+    if (st.ga_n == 1) return n_past;  // nothing to group
+    // Every cell of seq from ga_i on may move; each shared one is split at most once.
+    const std::uint32_t splits = detail_ctx::shared_cells_from(cache, seq, st.ga_i);
+    if (splits > cache.capacity() - cache.used())
+        detail::fail(errc::no_space, "self_extend: moving shared cells needs " + to_string(splits) + " free cells, " +
+                                         to_string(cache.capacity() - cache.used()) + " free");
+    // Positions may not overflow: the largest intermediate is n_past + ib*bd.
+    {
+        pos_t gi = st.ga_i, np = n_past;
+        while (np >= gi + st.ga_w) {
+            const std::int64_t ib = std::int64_t{st.ga_n} * gi / st.ga_w;
+            const std::int64_t bd = std::int64_t{st.ga_w / st.ga_n} * (st.ga_n - 1);
+            if (std::int64_t{np} + ib * bd > INT32_MAX)
+                detail::fail(errc::invalid_argument, "self_extend: positions would pass 2^31-1 (n_past = " +
+                                                         to_string(n_past) + ")");
+            np = static_cast<pos_t>(np - bd);
+            gi += st.ga_w / st.ga_n;
+        }
+    }
+    while (n_past >= st.ga_i + st.ga_w) {  // 64-bit arithmetic; the check above bounds every value
+        const std::int64_t ib = std::int64_t{st.ga_n} * st.ga_i / st.ga_w;
+        const std::int64_t bd = std::int64_t{st.ga_w / st.ga_n} * (st.ga_n - 1);
+        const std::int64_t dd = std::int64_t{st.ga_w / st.ga_n} - ib * bd - st.ga_w;
+        const std::int64_t gi = st.ga_i, w = st.ga_w;
+        cache.seq_add(seq, static_cast<pos_t>(gi), n_past, static_cast<pos_t>(ib * bd));
+        cache.seq_div(seq, static_cast<pos_t>(gi + ib * bd), static_cast<pos_t>(gi + ib * bd + w), st.ga_n);
+        cache.seq_add(seq, static_cast<pos_t>(gi + ib * bd + w), static_cast<pos_t>(n_past + ib * bd),
+                      static_cast<pos_t>(dd));
+        n_past = static_cast<pos_t>(n_past - bd);
+        st.ga_i += st.ga_w / st.ga_n;
+    }
+    return n_past;
+}
+
+}  // namespace ops
+KVCACHE_END_NAMESPACE
