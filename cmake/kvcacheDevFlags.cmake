@@ -8,8 +8,13 @@ add_library(kvcache_warnings INTERFACE)
 target_compile_options(kvcache_warnings INTERFACE -Wall -Wextra -Werror -Wno-psabi)
 
 # kvcache_native: what benchmarks, examples and SIMD tests build with.
+# KVCACHE_ARCH_FLAGS overrides -march=native, e.g. "-march=x86-64-v4;-mf16c" for a
+# binary that runs on another machine.
+set(KVCACHE_ARCH_FLAGS "" CACHE STRING "arch flags for benchmarks/examples/SIMD tests (default -march=native)")
 add_library(kvcache_native INTERFACE)
-if(KVCACHE_HAS_MARCH_NATIVE)
+if(KVCACHE_ARCH_FLAGS)
+  target_compile_options(kvcache_native INTERFACE ${KVCACHE_ARCH_FLAGS})
+elseif(KVCACHE_HAS_MARCH_NATIVE)
   target_compile_options(kvcache_native INTERFACE -march=native)
   # GCC 12.2 (Debian 12) reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic
   # headers (_mm512_undefined_* sources, GCC PR105593, fixed in 12.3): silence it there.
