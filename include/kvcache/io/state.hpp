@@ -486,7 +486,8 @@ result<staged_state> parse_state(const char* fn, const Cache& cache, std::span<c
     if (!ls) return err(errc::truncated, "n_cells = " + std::to_string(n_cells) + ": data size overflows 2^64");
 
     st.tokens.resize(static_cast<std::size_t>(n_tokens));
-    std::memcpy(st.tokens.data(), r.take(static_cast<std::size_t>(*tok_bytes)), static_cast<std::size_t>(*tok_bytes));
+    if (n_tokens != 0)  // memcpy needs non-null pointers even for 0 bytes
+        std::memcpy(st.tokens.data(), r.take(static_cast<std::size_t>(*tok_bytes)), static_cast<std::size_t>(*tok_bytes));
     st.media.resize(static_cast<std::size_t>(n_media));
     for (auto& m : st.media) {
         m.id = r.get<std::uint64_t>();

@@ -1,0 +1,61 @@
+// Writes the seed corpus: valid states of both fuzz shapes (whole cache and one
+// sequence, with and without tokens/media, shared cells, pending shifts, duplicate
+// positions from seq_div). Usage: make_corpus <output dir>. The files in corpus/ were
+// made with it; run it again after a format change.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "fuzz_harness.hpp"
+
+namespace {
+
+void write(const std::filesystem::path& dir, const std::string& name, const std::vector<std::byte>& b) {
+    std::ofstream(dir / name, std::ios::binary).write(reinterpret_cast<const char*>(b.data()),
+                                                      static_cast<std::streamsize>(b.size()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc != 2) {
+        std::fprintf(stderr, "usage: make_corpus <output dir>\n");
+        return 2;
+    }
+    const std::filesystem::path dir = argv[1];
+    std::filesystem::create_directories(dir);
+    const std::vector<kvcache::token_t> tokens{3, 1, 4, -1, -1, 5, 9, 2};
+    const std::vector<kvcache::media_chunk> media{{0x1234u, 3, 2}};
+
+    kvcache::kv_cache<kvcache::f16> a(kvfuzz::shape_a());
+    write(dir, "a_empty_whole", kvcache::io::save_state(a));
+    kvfuzz::fill_baseline(a);
+    write(dir, "a_whole", kvcache::io::save_state(a));
+    write(dir, "a_whole_tokens", kvcache::io::save_state(a, tokens, media));
+    write(dir, "a_seq0_tokens", kvcache::io::save_seq(a, 0, tokens, media));
+    write(dir, "a_seq3", kvcache::io::save_seq(a, 3));
+    a.seq_add(1, 1, -1, 5);
+    a.seq_div(2, 0, -1, 2);
+    write(dir, "a_whole_shifted", kvcache::io::save_state(a));
+    write(dir, "a_seq2_shifted", kvcache::io::save_seq(a, 2));
+
+    kvcache::kv_cache<kvcache::f32, kvcache::contiguous<kvcache::v_layout::transposed>> b(kvfuzz::shape_b());
+    kvfuzz::fill_baseline(b);
+    write(dir, "b_whole", kvcache::io::save_state(b));
+    write(dir, "b_seq1_tokens", kvcache::io::save_seq(b, 1, tokens, media));
+#ifdef KVFUZZ_HAS_PAGED_RING
+    // States saved from paged and ring caches (their layout_id routes them to those targets).
+    kvcache::kv_cache<kvcache::f16, kvcache::paged<16>> p(kvfuzz::shape_a());
+    kvfuzz::fill_baseline(p);
+    write(dir, "paged_whole", kvcache::io::save_state(p));
+    write(dir, "paged_seq0", kvcache::io::save_seq(p, 0, tokens, media));
+    kvcache::kv_cache<kvcache::f16, kvcache::ring<8>> r(kvfuzz::shape_a());
+    kvfuzz::fill_baseline(r);
+    write(dir, "ring_whole", kvcache::io::save_state(r));
+    write(dir, "ring_seq3", kvcache::io::save_seq(r, 3));
+#endif
+    std::printf("make_corpus: wrote %s\n", dir.c_str());
+    return 0;
+}
