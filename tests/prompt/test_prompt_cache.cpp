@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <kvcache/kvcache.hpp>
+#include <kvcache/prompt/state_store.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -350,4 +351,25 @@ TEST_CASE("prompt_cache: shared_store shares cells instead of copying") {
     REQUIRE(got.ok());
     CHECK(toy::max_error(f.cache, 3, q, q.size()) == 0.0);
     CHECK_THROWS_AS(store(-1, 2), kvcache::error);
+}
+
+TEST_CASE("prompt_cache: state_store keeps io::save_seq bytes and loads them with io::load_seq") {
+    using store = kvcache::state_store<cache_t>;
+    fixture<reuse::evict_lru, store> f(kvcache::prompt_cache_limits{0, 0});
+    prompt_tokens p = toy::text(30);
+    p.push_media(5, 3);
+    p.push_back(1);
+    REQUIRE(f.put(p));
+    CHECK(f.pc.bytes() > 34 * f.cache.bytes_per_token());
+    f.cache.seq_rm(0, -1, -1);
+    const auto s = f.pc.select(p);
+    REQUIRE(s);
+    auto got = f.pc.load(f.cache, 2, s->id);
+    REQUIRE(got.ok());
+    CHECK(got.value().tokens == p);
+    CHECK(toy::max_error(f.cache, 2, p, p.size()) == 0.0);
+    REQUIRE(f.put(p));
+    const auto again = f.pc.load(f.cache, 2, f.pc.ids().front());  // destination not empty
+    CHECK(again.code() == kvcache::errc::invalid_argument);
+    CHECK(f.pc.size() == 1);
 }

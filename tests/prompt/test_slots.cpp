@@ -126,7 +126,10 @@ TEST_CASE("slots F22: longest prefix above the threshold, else least recently us
     // commit_prompt before the host computed everything is refused
     CHECK_THROWS_WITH_AS(slots.commit_prompt(p0.slot), doctest::Contains("the request needs 99"), kvcache::error);
     CHECK_THROWS_WITH_AS(slots.append(p0.slot, 5), doctest::Contains("not generating"), kvcache::error);
+    // a request abandoned half-way: release drops the uncommitted positions
+    toy::fill(cache, p0.seq, a, p0.n_past, p0.n_request);
     for (const auto& p : {p0, p1, p2}) slots.release(p.slot);
+    CHECK(cache.seq_pos_max(p0.seq) == static_cast<kvcache::pos_t>(slots.tokens(p0.slot).size()) - 1);
     CHECK_THROWS_AS(kvcache::slot_manager<cache_t>(cache, {.n_slots = 8, .first_seq = 1}), kvcache::error);
     CHECK_THROWS_AS(kvcache::slot_manager<cache_t>(cache, {.n_slots = 0}), kvcache::error);
 }

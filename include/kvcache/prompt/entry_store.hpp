@@ -1,9 +1,12 @@
 // kvcache: how the global prompt cache keeps the K/V state of its entries (F21).
 //
 // An entry store saves the cells of one sequence and loads them back into a
-// (possibly different) sequence. Two stores are provided:
-//   - copy_store:   copies the cells' K/V bytes out of the cache (llama-server's
-//                   behaviour; the state survives anything the cache does later).
+// (possibly different) sequence. Three stores are provided:
+//   - copy_store:   copies the cells' raw K/V elements out of the cache and back
+//                   (llama-server's behaviour: the state survives anything the cache
+//                   does later). The default.
+//   - state_store:  (prompt/state_store.hpp) the same through io::save_seq /
+//                   io::load_seq: the state format, validated and checksummed.
 //   - shared_store: keeps the entry as an extra sequence of the same cache that
 //                   shares the cells (seq_cp, no data copy). A hit shares the cells
 //                   again; a later seq_add on the slot copies a shared cell first

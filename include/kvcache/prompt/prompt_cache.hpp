@@ -76,7 +76,7 @@ struct entry_options {
 };
 
 /// The global prompt cache for cache type Cache. Store keeps the K/V state
-/// (copy_store or shared_store), Eviction orders evictions (reuse::evict_lru, ...).
+/// (copy_store, state_store or shared_store), Eviction orders evictions (reuse::evict_lru, ...).
 template <class Cache, class Store = copy_store<Cache>, class Eviction = reuse::evict_lru>
 class prompt_cache {
     static_assert(entry_store<Store, Cache>,

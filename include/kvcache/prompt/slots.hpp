@@ -79,7 +79,7 @@ struct prepared_request {
 };
 
 /// Slots over one kv_cache, with the reuse policy of Cache and, for reuse::global, a
-/// global prompt cache whose entries are kept by Store (copy_store or shared_store).
+/// global prompt cache whose entries are kept by Store (copy_store, state_store or shared_store).
 template <class Cache, class Store = copy_store<Cache>>
 class slot_manager {
     using policy = typename Cache::reuse;
@@ -248,10 +248,17 @@ public:
     }
 
     /// Ends the slot's request: the slot becomes idle and keeps its tokens and K/V; with
-    /// reuse::global its state is also saved into the global prompt cache (F21).
+    /// reuse::global its state is also saved into the global prompt cache (F21). Positions
+    /// the host placed but did not commit (commit_prompt / append) are removed first, so the
+    /// sequence holds exactly tokens(slot). Throws transaction_open if placements are staged.
     void release(int slot_id) {
         slot& s = slots_[check_slot("release", slot_id)];
         if (!s.busy) return;
+        if (cache_->in_transaction())
+            detail::fail(errc::transaction_open, "slot_manager::release: placements are staged; commit() or restore() first");
+        const seq_id_t seq = opt_.first_seq + slot_id;
+        if (cache_->seq_pos_max(seq) >= static_cast<pos_t>(s.tokens.size()))
+            cache_->seq_rm(seq, static_cast<pos_t>(s.tokens.size()), -1);
         s.busy = false;
         s.has_pending = false;
         s.pending.clear();
@@ -260,7 +267,7 @@ public:
                 std::vector<checkpoint> cks;
                 if constexpr (std::is_copy_constructible_v<typename Store::handle> && copyable_handles)
                     cks = s.checkpoints;
-                global_->save(*cache_, opt_.first_seq + slot_id, s.tokens,
+                global_->save(*cache_, seq, s.tokens,
                               {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
             }
         }
