@@ -373,3 +373,36 @@ TEST_CASE("prompt_cache: state_store keeps io::save_seq bytes and loads them wit
     CHECK(again.code() == kvcache::errc::invalid_argument);
     CHECK(f.pc.size() == 1);
 }
+
+TEST_CASE("copy_store: fragmented cells, f16 and transposed V round-trip bit-exactly") {
+    using vt_cache = kvcache::kv_cache<kvcache::f16, kvcache::contiguous<kvcache::v_layout::transposed>>;
+    vt_cache cache(toy::shape(256, 4));
+    const prompt_tokens a = toy::text(45, 0), b = toy::text(45, 900);
+    for (std::size_t i = 0; i < a.size(); ++i) {  // interleave two sequences: runs of 1-3 cells
+        toy::fill(cache, 0, a, i, i + 1);
+        if (i % 3 == 0) toy::fill(cache, 1, b, i / 3, i / 3 + 1);
+    }
+    auto rows_of = [&](kvcache::seq_id_t s) {
+        std::vector<float> out, row(cache.shape().k_row_size());
+        for (kvcache::pos_t p = 0; p < static_cast<kvcache::pos_t>(a.size()); ++p) {
+            const long c = toy::cell_of(cache, s, p);
+            REQUIRE(c >= 0);
+            for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l) {
+                cache.read_k(l, static_cast<std::uint32_t>(c), row.data());
+                out.insert(out.end(), row.begin(), row.end());
+                cache.read_v(l, static_cast<std::uint32_t>(c), row.data());
+                out.insert(out.end(), row.begin(), row.end());
+            }
+        }
+        return out;
+    };
+    const auto before = rows_of(0);
+    kvcache::copy_store<vt_cache> st;
+    auto h = st.save(cache, 0);
+    REQUIRE(h.ok());
+    cache.seq_rm(0, -1, -1);
+    toy::fill(cache, 3, b, 0, 7);  // the load lands in other (fragmented) cells
+    REQUIRE(st.load(cache, 2, h.value()).ok());
+    CHECK(rows_of(2) == before);
+    CHECK(st.load(cache, 2, h.value()).code() == kvcache::errc::invalid_argument);  // dst not empty
+}

@@ -24,12 +24,15 @@
 #include <concepts>   // std::same_as
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
+#include <cstring>    // std::memcpy
 #include <string>     // messages
+#include <type_traits>  // std::is_const_v
 #include <utility>    // std::as_const
 #include <vector>     // saved data
 
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
+#include "../layout/kv_storage.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -64,7 +67,10 @@ public:
     using storage_type = typename Cache::storage_type;
     /// Handles are plain data: copying one copies the saved state.
     static constexpr bool copyable_handles = true;
-    /// Saved cells: positions, pending K-shift deltas, then per layer, per cell, K then V elements.
+    /// Saved cells: positions and pending K-shift deltas in save order i, then per layer the
+    /// K/V elements in the cache's own arrangement restricted to those cells: K as
+    /// [head][d][i], V as [head][i][d] (row-major V) or [head][d][i] (transposed V), so runs
+    /// of consecutive cells move with memcpy.
     struct handle {
         std::vector<pos_t> pos;
         std::vector<std::int32_t> shift;
@@ -84,16 +90,9 @@ public:
             h.shift.push_back(cache.cells().shift(c));
         }
         h.data.resize(row * cells.size() * sh.n_layer);
-        storage_type* out = h.data.data();
-        for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
-            const auto v = cache.storage().view(l);
-            for (std::uint32_t c : cells) {
-                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
-                    for (std::uint32_t d = 0; d < v.dim_k; ++d) *out++ = v.k[v.k_offset(hd, c, d)];
-                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
-                    for (std::uint32_t d = 0; d < v.dim_v; ++d) *out++ = v.v[v.v_offset(hd, c, d)];
-            }
-        }
+        const std::size_t per_layer = row * cells.size();
+        for (std::uint32_t l = 0; l < sh.n_layer; ++l)
+            transfer<true>(cache.storage().view(l), cells, h.data.data() + l * per_layer);
         return h;
     }
 
@@ -114,22 +113,53 @@ public:
         auto placed = cache.place(h.pos, seqs);
         if (!placed) return detail::make_error(placed.code(), "copy_store::load: " + placed.message());
         const auto& cells = placed.value().cells;
-        const storage_type* in = h.data.data();
-        for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
-            const auto v = cache.storage().view(l);
-            for (std::uint32_t c : cells) {
-                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
-                    for (std::uint32_t d = 0; d < v.dim_k; ++d) v.k[v.k_offset(hd, c, d)] = *in++;
-                for (std::uint32_t hd = 0; hd < v.n_head_kv; ++hd)
-                    for (std::uint32_t d = 0; d < v.dim_v; ++d) v.v[v.v_offset(hd, c, d)] = *in++;
-            }
-        }
+        const std::size_t per_layer = row * cells.size();
+        for (std::uint32_t l = 0; l < sh.n_layer; ++l)
+            transfer<false>(cache.storage().view(l), cells, h.data.data() + l * per_layer);
         static_cast<void>(cache.commit());
         auto& table = cache.cells_for_update(detail::internal_access{});
         for (std::size_t i = 0; i < cells.size(); ++i) table.set_shift(cells[i], h.shift[i]);
         return {};
     }
 
+private:
+    /// Copies one layer between the cache (cells, in save order) and buf (Save: cache -> buf).
+    /// Runs of consecutive cells are copied as contiguous segments (K: up to a 16-cell tile).
+    template <bool Save, class View, class Buf>
+    static void transfer(const View& v, const std::vector<std::uint32_t>& cells, Buf* buf) {
+        static_assert(std::is_same_v<std::remove_const_t<Buf>, storage_type> && Save == !std::is_const_v<Buf>);
+        const std::size_t n = cells.size();
+        auto copy = [](storage_type* cache_ptr, Buf* buf_ptr, std::size_t count) {
+            if constexpr (Save)
+                std::memcpy(buf_ptr, cache_ptr, count * sizeof(storage_type));
+            else
+                std::memcpy(cache_ptr, buf_ptr, count * sizeof(storage_type));
+        };
+        Buf* kbuf = buf;
+        Buf* vbuf = buf + n * v.n_head_kv * v.dim_k;
+        for (std::size_t i0 = 0; i0 < n;) {
+            std::size_t len = 1;  // run of consecutive cells starting at save index i0
+            while (i0 + len < n && cells[i0 + len] == cells[i0] + len) ++len;
+            for (std::uint32_t h = 0; h < v.n_head_kv; ++h) {
+                for (std::size_t done = 0; done < len;) {
+                    const auto c = static_cast<std::uint32_t>(cells[i0] + done);
+                    const std::size_t seg = std::min<std::size_t>(len - done, k_tile - c % k_tile);
+                    for (std::uint32_t d = 0; d < v.dim_k; ++d)
+                        copy(v.k + v.k_offset(h, c, d), kbuf + (std::size_t{h} * v.dim_k + d) * n + i0 + done, seg);
+                    done += seg;
+                }
+                if (v.vl == v_layout::row_major) {
+                    copy(v.v + v.v_offset(h, cells[i0], 0), vbuf + (std::size_t{h} * n + i0) * v.dim_v, len * v.dim_v);
+                } else {
+                    for (std::uint32_t d = 0; d < v.dim_v; ++d)
+                        copy(v.v + v.v_offset(h, cells[i0], d), vbuf + (std::size_t{h} * v.dim_v + d) * n + i0, len);
+                }
+            }
+            i0 += len;
+        }
+    }
+
+public:
     /// Bytes of the copied K/V plus per-cell metadata.
     [[nodiscard]] std::size_t bytes(const Cache&, const handle& h) const noexcept {
         return h.data.size() * sizeof(storage_type) + h.pos.size() * (sizeof(pos_t) + sizeof(std::int32_t));
