@@ -84,6 +84,23 @@ inline std::uint32_t visible_mask(const attn_meta& m, std::uint32_t t, const att
     return mask;
 }
 
+/// Tiles ahead whose K and V the kernel asks for (into L2) while it works on the current
+/// one: ~64 rows, about one DRAM latency of work at the rate one core consumes them.
+inline constexpr std::uint32_t prefetch_tiles = 4;
+
+/// Prefetches tile t of head h (K tile and row-major V rows) into L2.
+template <class T>
+inline void prefetch_tile(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t t) noexcept {
+    const char* k = reinterpret_cast<const char*>(kv.k_tile_ptr(h, t));
+    const std::size_t k_bytes = std::size_t{k_tile} * kv.dim_k * sizeof(T);
+    for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(k + off, 0, 2);
+    if (kv.vl == v_layout::row_major) {
+        const char* v = reinterpret_cast<const char*>(kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile * kv.dim_v);
+        const std::size_t v_bytes = std::size_t{k_tile} * kv.dim_v * sizeof(T);
+        for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(v + off, 0, 2);
+    }
+}
+
 /// Softmax state and output accumulator of the M slots of a work item.
 template <std::size_t M>
 struct attn_state {
@@ -111,8 +128,9 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     constexpr std::size_t B = k_tile / L;  // sub-batches per tile
     // Independent FMA chains in the score loop: at least 8 (latency x pipes) when M is small.
     constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
-    // d-blocks of V processed together, for the same reason.
-    constexpr std::size_t VB = M >= 8 ? 1 : 8 / M;
+    // d-blocks of V processed together: M x VB accumulators (16 for M <= 8), so each
+    // converted V vector feeds M x VB FMAs and each broadcast p feeds VB.
+    constexpr std::size_t VB = M >= 16 ? 1 : M == 8 ? 2 : 4;
     const float ninf = -std::numeric_limits<float>::infinity();
     const std::uint32_t dk = sh.dk, dv = sh.dv;
     const bool vt = kv.vl == v_layout::transposed;
@@ -126,6 +144,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 any |= mask[s];
             }
             if (any == 0) continue;
+            if (t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
 
             // ---- scores: sc[s] = q_s . K[:, cells of the tile]
             const T* kt = kv.k_tile_ptr(h, t);
@@ -217,14 +236,19 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                             a[s][v] = fbatch::load_unaligned(st.acc + s * dv + d + v * L);
                             if (rescale) a[s][v] *= fbatch(alpha[s]);
                         }
-                    for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
-                        const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                    auto cell = [&](std::uint32_t j) {
                         fbatch vr[VB];
                         for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + j * vstride + d + v * L);
                         for (std::size_t s = 0; s < M; ++s) {
                             const fbatch pj(p_buf[s * k_tile + j]);
                             for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
                         }
+                    };
+                    if (any == 0xffffu) {
+                        for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
+                    } else {
+                        for (std::uint32_t bits = any; bits != 0; bits &= bits - 1)
+                            cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
                     }
                     for (std::size_t s = 0; s < M; ++s)
                         for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st.acc + s * dv + d + v * L);

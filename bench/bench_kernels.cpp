@@ -1,0 +1,260 @@
+// Kernel benchmarks: attention (decode, prefill) and K-shift, each against this binary's
+// own measured bandwidth / FMA peak (bench_common.hpp) and against the plain scalar path.
+//
+// Names: attn_decode/<type>/n_kv:<cells>/threads:<t>, attn_decode/<type>/n_kv:<cells>/hkv:2/threads:<t>
+// (split-K), attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
+// and *_scalar/... for the scalar reference. Shape: head_dim 128, 32 query heads, 8 KV heads.
+// Counters: bytes_per_second (decode, K-shift) or FLOP/s (prefill: unmasked query-key pairs
+// x heads x 4 x head_dim), bw_frac (achieved / measured read bandwidth for attention,
+// / in-place read-modify-write bandwidth for K-shift, same thread count, measured right
+// after the timed loop), peak_frac (FMA rate / measured FMA peak, same thread count).
+// Cold cache: each iteration works on the next layer of a cache whose layers together are
+// larger than bench_buffer_bytes() (1 GiB by default), so K/V come from DRAM.
+#include <benchmark/benchmark.h>
+
+#include <kvcache/kvcache.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace {
+
+namespace kb = kvcache::bench;
+using kvcache::pos_t;
+using kvcache::seq_id_t;
+
+constexpr std::uint32_t head_dim = 128, n_head = 32, n_head_kv_default = 8;
+
+template <class E>
+using cache_t = kvcache::kv_cache<E>;
+
+// A cache of n_cells cells with n_kv of them holding sequence 0 at positions [0, n_kv), every
+// layer's K and V filled with random values (copied from a small random pattern).
+template <class E>
+std::unique_ptr<cache_t<E>> make_cache(std::uint32_t n_cells, std::uint32_t n_kv, std::uint32_t n_layer,
+                                       std::uint32_t hkv) {
+    kvcache::model_shape s;
+    s.n_layer = n_layer;
+    s.n_head_kv = hkv;
+    s.head_dim_k = head_dim;
+    s.n_cells = n_cells;
+    s.n_seq_max = 1;
+    auto cache = std::make_unique<cache_t<E>>(s);
+    std::vector<pos_t> pos(n_kv);
+    std::iota(pos.begin(), pos.end(), 0);
+    std::vector<seq_id_t> seq(n_kv, 0);
+    static_cast<void>(cache->place(pos, seq).value());
+    static_cast<void>(cache->commit());
+    using T = typename E::storage_type;
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd(0.0f, 0.5f);
+    std::vector<float> pf(65536);
+    for (auto& x : pf) x = nd(rng);
+    std::vector<T> pattern(pf.size());
+    E::from_float(pf.data(), pattern.data(), pf.size());
+    const std::size_t k_elems = std::size_t{cache->storage().n_cells_padded()} * head_dim * hkv;
+    for (std::uint32_t l = 0; l < n_layer; ++l) {
+        auto v = cache->storage().view(l);
+        for (T* base : {v.k, v.v})
+            for (std::size_t off = 0; off < k_elems; off += pattern.size())
+                std::memcpy(base + off, pattern.data(), std::min(pattern.size(), k_elems - off) * sizeof(T));
+    }
+    return cache;
+}
+
+// Enough layers that the working set exceeds the yardstick buffer (cold cache).
+std::uint32_t cold_layers(std::size_t bytes_per_layer) {
+    return static_cast<std::uint32_t>(std::max<std::size_t>(2, kb::bench_buffer_bytes() / bytes_per_layer + 1));
+}
+
+std::vector<float> random_q(std::size_t n) {
+    std::mt19937 rng(2);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> q(n);
+    for (auto& x : q) x = nd(rng);
+    return q;
+}
+
+// Wall-clock seconds spent in the kernel calls of the timed loop (bookkeeping excluded).
+struct kernel_timer {
+    double total = 0.0;
+    template <class F>
+    void run(F&& f) {
+        const double t0 = kb::detail::now_s();
+        f();
+        total += kb::detail::now_s() - t0;
+    }
+};
+
+// Per-iteration work -> counters. Rates use the kernel's own wall-clock time.
+void report(benchmark::State& state, const kernel_timer& timer, double bytes, double flops, double fmas,
+            double yardstick_bw, int threads) {
+    const double iters = static_cast<double>(state.iterations());
+    const double secs = timer.total > 0.0 ? timer.total : 1e-30;
+    state.counters["threads"] = threads;
+    if (bytes > 0) {
+        state.SetBytesProcessed(static_cast<std::int64_t>(bytes * iters));
+        state.counters["bw_frac"] = bytes * iters / secs / yardstick_bw;
+    }
+    if (flops > 0) state.counters["FLOP/s"] = flops * iters / secs;
+    state.counters["peak_frac"] = fmas * iters / secs / kb::measure_fma_peak(threads, true);
+}
+
+// ---------------------------------------------------------------- attention decode
+
+template <class E>
+void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::uint32_t hkv, kvcache::ops::kernel_path path) {
+    using T = typename E::storage_type;
+    const std::size_t layer_bytes = std::size_t{n_kv} * hkv * head_dim * 2 * sizeof(T);
+    const std::uint32_t n_layer = path == kvcache::ops::kernel_path::scalar ? 2 : cold_layers(layer_bytes);
+    auto cache = make_cache<E>(n_kv, n_kv, n_layer, hkv);
+    const std::uint32_t nh = hkv * (n_head / n_head_kv_default);
+    const auto q = random_q(std::size_t{nh} * head_dim);
+    std::vector<float> out(std::size_t{nh} * head_dim);
+    const pos_t qp = static_cast<pos_t>(n_kv);
+    const seq_id_t qs = 0;
+    kvcache::ops::attention_params p;
+    p.n_head = nh;
+    p.n_threads = threads;
+    p.path = path;
+    kvcache::ops::attention_workspace ws;
+    kvcache::ops::attention(*cache, 0, q.data(), &qp, &qs, 1, p, out.data(), ws);  // size the workspace
+    std::uint32_t layer = 0;
+    kernel_timer timer;
+    for (auto _ : state) {
+        timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, p, out.data(), ws); });
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        layer = layer + 1 == n_layer ? 0 : layer + 1;
+    }
+    const double bytes = static_cast<double>(layer_bytes);
+    const double fmas = 2.0 * n_kv * nh * head_dim;
+    report(state, timer, bytes, 0.0, fmas, kb::measure_read_bw(threads, true), threads);
+}
+
+// ---------------------------------------------------------------- attention prefill
+
+template <class E>
+void attn_prefill(benchmark::State& state, std::uint32_t n_q, int threads, kvcache::ops::kernel_path path) {
+    const std::uint32_t n_layer = 8;
+    auto cache = make_cache<E>(n_q, n_q, n_layer, n_head_kv_default);
+    const auto q = random_q(std::size_t{n_q} * n_head * head_dim);
+    std::vector<float> out(q.size());
+    std::vector<pos_t> qp(n_q);
+    std::iota(qp.begin(), qp.end(), 0);
+    std::vector<seq_id_t> qs(n_q, 0);
+    kvcache::ops::attention_params p;
+    p.n_head = n_head;
+    p.n_threads = threads;
+    p.path = path;
+    kvcache::ops::attention_workspace ws;
+    kvcache::ops::attention(*cache, 0, q.data(), qp.data(), qs.data(), n_q, p, out.data(), ws);
+    std::uint32_t layer = 0;
+    kernel_timer timer;
+    for (auto _ : state) {
+        timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), qp.data(), qs.data(), n_q, p, out.data(), ws); });
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        layer = layer + 1 == n_layer ? 0 : layer + 1;
+    }
+    const double pairs = static_cast<double>(n_q) * (n_q + 1) / 2.0;  // causal: unmasked pairs only
+    const double flops = pairs * n_head * 4.0 * head_dim;
+    report(state, timer, 0.0, flops, flops / 2.0, 1.0, threads);
+}
+
+// ---------------------------------------------------------------- K-shift
+
+template <class E>
+void kshift(benchmark::State& state, kvcache::rope_type type, int threads, kvcache::ops::kernel_path path) {
+    using T = typename E::storage_type;
+    constexpr std::uint32_t n_cells = 16384;
+    const std::size_t k_layer_bytes = std::size_t{n_cells} * n_head_kv_default * head_dim * sizeof(T);
+    const std::uint32_t n_layer = path == kvcache::ops::kernel_path::scalar ? 1 : cold_layers(k_layer_bytes);
+    auto cache = make_cache<E>(n_cells, n_cells, n_layer, n_head_kv_default);
+    // The rope type lives in the shape: NeoX gets its own cache with the same K.
+    std::unique_ptr<cache_t<E>> c2;
+    if (type == kvcache::rope_type::neox) {
+        kvcache::model_shape sn = cache->shape();
+        sn.rope.type = kvcache::rope_type::neox;
+        c2 = std::make_unique<cache_t<E>>(sn);
+        std::vector<pos_t> pos(n_cells);
+        std::iota(pos.begin(), pos.end(), 0);
+        std::vector<seq_id_t> seq(n_cells, 0);
+        static_cast<void>(c2->place(pos, seq).value());
+        static_cast<void>(c2->commit());
+        for (std::uint32_t l = 0; l < n_layer; ++l) {
+            auto a = cache->storage().view(l);
+            auto b = c2->storage().view(l);
+            std::memcpy(b.k, a.k, k_layer_bytes);
+        }
+        cache.reset();
+        cache = std::move(c2);
+    }
+    std::int32_t delta = 1;
+    kernel_timer timer;
+    for (auto _ : state) {
+        state.PauseTiming();
+        cache->seq_add(0, 0, -1, delta);  // bookkeeping, not timed
+        delta = -delta;
+        state.ResumeTiming();
+        timer.run([&] { kvcache::ops::apply_k_shift(*cache, threads, path); });
+    }
+    const double bytes = 2.0 * static_cast<double>(k_layer_bytes) * n_layer;  // read + write, every layer
+    const double fmas = 2.0 * static_cast<double>(n_cells) * n_head_kv_default * head_dim * n_layer;
+    report(state, timer, bytes, 0.0, fmas, kb::measure_rmw_bw(threads, true), threads);
+}
+
+template <class E>
+void register_type() {
+    using kvcache::ops::kernel_path;
+    const std::string t(E::name);
+    for (int th : {1, 2, 4, 8, 16}) {
+        const std::string ts = "/threads:" + std::to_string(th);
+        for (std::uint32_t n : {1024u, 4096u, 16384u, 65536u})
+            benchmark::RegisterBenchmark(("attn_decode/" + t + "/n_kv:" + std::to_string(n) + ts).c_str(),
+                                         [n, th](benchmark::State& st) { attn_decode<E>(st, n, th, n_head_kv_default, kernel_path::simd); })
+                ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        benchmark::RegisterBenchmark(("attn_decode/" + t + "/n_kv:16384/hkv:2" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_decode<E>(st, 16384, th, 2, kernel_path::simd); })
+            ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        benchmark::RegisterBenchmark(("attn_prefill/" + t + "/n_q:512/n_kv:512" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_prefill<E>(st, 512, th, kernel_path::simd); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+        for (auto rt : {kvcache::rope_type::normal, kvcache::rope_type::neox}) {
+            const std::string rn = rt == kvcache::rope_type::normal ? "normal" : "neox";
+            benchmark::RegisterBenchmark(("kshift/" + t + "/" + rn + "/n_cells:16384" + ts).c_str(),
+                                         [rt, th](benchmark::State& st) { kshift<E>(st, rt, th, kernel_path::simd); })
+                ->UseRealTime()->Unit(benchmark::kMillisecond);
+        }
+    }
+    // Scalar reference (single thread).
+    benchmark::RegisterBenchmark(("attn_decode_scalar/" + t + "/n_kv:16384/threads:1").c_str(),
+                                 [](benchmark::State& st) { attn_decode<E>(st, 16384, 1, n_head_kv_default, kernel_path::scalar); })
+        ->UseRealTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("attn_prefill_scalar/" + t + "/n_q:512/n_kv:512/threads:1").c_str(),
+                                 [](benchmark::State& st) { attn_prefill<E>(st, 512, 1, kernel_path::scalar); })
+        ->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(2);
+    for (auto rt : {kvcache::rope_type::normal, kvcache::rope_type::neox}) {
+        const std::string rn = rt == kvcache::rope_type::normal ? "normal" : "neox";
+        benchmark::RegisterBenchmark(("kshift_scalar/" + t + "/" + rn + "/n_cells:16384/threads:1").c_str(),
+                                     [rt](benchmark::State& st) { kshift<E>(st, rt, 1, kernel_path::scalar); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+    }
+}
+
+const bool registered = [] {
+    register_type<kvcache::f16>();
+    register_type<kvcache::f32>();
+    register_type<kvcache::bf16>();
+    return true;
+}();
+
+}  // namespace
