@@ -1,0 +1,211 @@
+// kvcache: one cache for a model that mixes full-attention and sliding-window layers
+// (ISWA, F10), e.g. Gemma-style models where every 6th layer is full attention.
+//
+// iswa_cache<Window, Policies...> holds two caches behind one interface:
+//   - full(): kv_cache<Policies...> for the full-attention layers (any layout);
+//   - swa():  kv_cache<element, ring<Window>> for the sliding-window layers.
+// Model layer l maps to layer local_layer(l) of the cache its type selects.
+//
+// Atomicity: placement, commit/restore and sequence operations apply to both caches
+// or to neither. place() validates the arguments, dry-runs the ring placement (it has
+// no side effects), then places in the full cache (which may still refuse) and
+// finally in the ring, which then cannot fail. Sequence operations run first on the
+// cache that may refuse them (the ring for seq_rm / seq_add / seq_div, the full cache
+// for seq_cp), so a refusal leaves both caches unchanged.
+#pragma once
+
+#include <cstdint>  // fixed-width integers
+#include <span>     // batch inputs
+#include <string>   // messages
+#include <utility>  // std::pair
+#include <vector>   // layer map
+
+#include "../error.hpp"
+#include "../kv_cache.hpp"
+#include "ring.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+
+/// Shape of an ISWA cache.
+struct iswa_shape {
+    model_shape shape;              ///< all layers of the model; n_cells = capacity of the full cache
+    std::vector<bool> swa_layers;   ///< per model layer: true = sliding window (size shape.n_layer)
+    std::uint32_t swa_n_cells = 0;  ///< capacity of the ring cache (see ring<Window>::cells_for)
+
+    /// Gemma-style pattern: layer l is full attention when (l + 1) % period == 0, else SWA.
+    [[nodiscard]] static std::vector<bool> every_nth_full(std::uint32_t n_layer, std::uint32_t period) {
+        if (period == 0) detail::fail(errc::invalid_config, "iswa_shape::every_nth_full: period = 0, must be >= 1");
+        std::vector<bool> v(n_layer);
+        for (std::uint32_t l = 0; l < n_layer; ++l) v[l] = (l + 1) % period != 0;
+        return v;
+    }
+};
+
+/// Where one micro-batch went in each cache.
+struct iswa_placement {
+    placement full;
+    placement swa;
+};
+
+/// ISWA cache: full-attention layers in kv_cache<Policies...>, sliding-window layers in
+/// a ring<Window> cache of the same element type (see the file comment).
+template <std::uint32_t Window, class... Policies>
+class iswa_cache {
+public:
+    using full_cache = kv_cache<Policies...>;
+    using element = typename full_cache::element;
+    using swa_cache = kv_cache<element, ring<Window>>;
+    static constexpr std::uint32_t window = Window;
+
+    /// Throws kvcache::error(invalid_config) naming a bad parameter.
+    explicit iswa_cache(const iswa_shape& s)
+        : map_(layer_map(s)), full_(group_shape(s, false)), swa_(group_shape(s, true)), n_layer_(s.shape.n_layer) {}
+
+    /// The full-attention cache (for attention over full layers, state I/O, queries).
+    [[nodiscard]] const full_cache& full() const noexcept { return full_; }
+    /// The sliding-window cache (attention over SWA layers with window = Window).
+    [[nodiscard]] const swa_cache& swa() const noexcept { return swa_; }
+    [[nodiscard]] std::uint32_t n_layer() const noexcept { return n_layer_; }
+    /// Whether model layer l is a sliding-window layer.
+    [[nodiscard]] bool is_swa(std::uint32_t l) const { return map_.at(check_layer("is_swa", l)).first; }
+    /// Index of model layer l inside the cache of its type.
+    [[nodiscard]] std::uint32_t local_layer(std::uint32_t l) const { return map_.at(check_layer("local_layer", l)).second; }
+
+    /// Sequence extent: the full cache holds every position the ring holds and more.
+    [[nodiscard]] pos_t seq_pos_min(seq_id_t s) const { return full_.seq_pos_min(s); }
+    [[nodiscard]] pos_t seq_pos_max(seq_id_t s) const { return full_.seq_pos_max(s); }
+    [[nodiscard]] bool in_transaction() const noexcept { return full_.in_transaction(); }
+    /// Bytes of both caches' buffers.
+    [[nodiscard]] std::size_t total_bytes() const noexcept { return full_.total_bytes() + swa_.total_bytes(); }
+
+    /// Places a micro-batch in both caches or in neither (see the file comment).
+    [[nodiscard]] result<iswa_placement> place(std::span<const pos_t> pos, std::span<const seq_id_t> seq) {
+        if (pos.size() != seq.size())
+            detail::fail(errc::invalid_argument, "place: pos has " + std::to_string(pos.size()) +
+                                                     " entries but seq has " + std::to_string(seq.size()));
+        std::vector<seq_set> sets(seq.size());
+        for (std::size_t i = 0; i < seq.size(); ++i) {
+            if (seq[i] < 0 || static_cast<std::uint32_t>(seq[i]) >= full_.shape().n_seq_max)
+                detail::fail(errc::invalid_argument, "place: seq[" + std::to_string(i) + "] = " +
+                                                         std::to_string(seq[i]) + ", must be in [0, " +
+                                                         std::to_string(full_.shape().n_seq_max) + ")");
+            sets[i] = seq_set::of(seq[i]);
+        }
+        return place(pos, std::span<const seq_set>(sets));
+    }
+    /// Places tokens that may belong to several sequences each.
+    [[nodiscard]] result<iswa_placement> place(std::span<const pos_t> pos, std::span<const seq_set> seqs) {
+        if (pos.size() != seqs.size())
+            detail::fail(errc::invalid_argument, "place: pos has " + std::to_string(pos.size()) +
+                                                     " entries but seqs has " + std::to_string(seqs.size()));
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            if (seqs[i].none())
+                detail::fail(errc::invalid_argument, "place: token " + std::to_string(i) + " has no sequence");
+            seqs[i].for_each([&](seq_id_t s) {
+                if (static_cast<std::uint32_t>(s) >= full_.shape().n_seq_max)
+                    detail::fail(errc::invalid_argument, "place: sequence " + std::to_string(s) + " of token " +
+                                                             std::to_string(i) + " is out of range");
+            });
+            if (pos[i] < 0)
+                detail::fail(errc::invalid_argument,
+                             "place: pos[" + std::to_string(i) + "] = " + std::to_string(pos[i]) + ", must be >= 0");
+        }
+        if (pos.size() > swa_.capacity() - swa_.used())
+            return detail::make_error(errc::no_space, "place: the sliding-window cache has " +
+                                                          std::to_string(swa_.capacity() - swa_.used()) +
+                                                          " free cells for a batch of " + std::to_string(pos.size()));
+        auto dry = swa_.storage().plan_place(swa_.cells(), pos, seqs);  // no side effects
+        if (!dry) return detail::make_error(dry.code(), dry.message());
+        auto f = full_.place(pos, seqs);
+        if (!f) return detail::make_error(f.code(), f.message());
+        auto w = swa_.place(pos, seqs);
+        KVCACHE_ASSERT(w.ok());
+        return iswa_placement{std::move(f.value()), std::move(w.value())};
+    }
+
+    /// Writes K rows of model layer l for the placed tokens (n_head_kv x head_dim_k floats each).
+    void write_k(std::uint32_t l, const iswa_placement& p, const float* rows) {
+        const auto [sw, local] = map_.at(check_layer("write_k", l));
+        if (sw)
+            swa_.write_k(local, p.swa.cells, rows);
+        else
+            full_.write_k(local, p.full.cells, rows);
+    }
+    /// Writes V rows of model layer l for the placed tokens.
+    void write_v(std::uint32_t l, const iswa_placement& p, const float* rows) {
+        const auto [sw, local] = map_.at(check_layer("write_v", l));
+        if (sw)
+            swa_.write_v(local, p.swa.cells, rows);
+        else
+            full_.write_v(local, p.full.cells, rows);
+    }
+
+    /// Commits both caches (the ring prunes what left the window).
+    tx_result commit() noexcept {
+        static_cast<void>(swa_.commit());
+        return full_.commit();
+    }
+    /// Restores both caches.
+    tx_result restore() {
+        static_cast<void>(swa_.restore());
+        return full_.restore();
+    }
+
+    void seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
+        swa_.seq_rm(s, p0, p1);  // may refuse (positions pruned by the window)
+        full_.seq_rm(s, p0, p1);
+    }
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+        full_.seq_cp(src, dst, p0, p1);  // may refuse (dst holds a position): the ring holds a subset
+        swa_.seq_cp(src, dst, p0, p1);
+    }
+    void seq_keep(seq_id_t s) {
+        full_.seq_keep(s);
+        swa_.seq_keep(s);
+    }
+    /// Refused (errc::unsupported): the sliding-window layers cannot move positions.
+    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) { swa_.seq_add(s, p0, p1, delta); }
+    /// Refused (errc::unsupported), as seq_add.
+    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) { swa_.seq_div(s, p0, p1, d); }
+    void clear() {
+        full_.clear();
+        swa_.clear();
+    }
+
+private:
+    std::uint32_t check_layer(const char* fn, std::uint32_t l) const {
+        if (l >= n_layer_)
+            detail::fail(errc::invalid_argument, std::string(fn) + ": layer = " + std::to_string(l) +
+                                                     ", must be < n_layer = " + std::to_string(n_layer_));
+        return l;
+    }
+    static std::vector<std::pair<bool, std::uint32_t>> layer_map(const iswa_shape& s) {
+        if (s.swa_layers.size() != s.shape.n_layer)
+            detail::fail(errc::invalid_config, "iswa_shape.swa_layers has " + std::to_string(s.swa_layers.size()) +
+                                                   " entries, must equal shape.n_layer = " +
+                                                   std::to_string(s.shape.n_layer));
+        std::vector<std::pair<bool, std::uint32_t>> m;
+        std::uint32_t n_swa = 0, n_full = 0;
+        for (bool sw : s.swa_layers) m.emplace_back(sw, sw ? n_swa++ : n_full++);
+        if (n_swa == 0 || n_full == 0)
+            detail::fail(errc::invalid_config, std::string("iswa_shape.swa_layers: no ") +
+                                                   (n_swa == 0 ? "sliding-window" : "full-attention") +
+                                                   " layer; use kv_cache directly");
+        return m;
+    }
+    static model_shape group_shape(const iswa_shape& s, bool swa) {
+        model_shape g = s.shape;
+        std::uint32_t n = 0;
+        for (bool sw : s.swa_layers) n += sw == swa;
+        g.n_layer = n;
+        if (swa) g.n_cells = s.swa_n_cells;
+        return g;
+    }
+
+    std::vector<std::pair<bool, std::uint32_t>> map_;  // per model layer: (is SWA, index in its cache)
+    full_cache full_;
+    swa_cache swa_;
+    std::uint32_t n_layer_;
+};
+
+KVCACHE_END_NAMESPACE
