@@ -101,10 +101,14 @@ inline void prefetch_tile(const kv_layer_view<const T>& kv, std::uint32_t h, std
     }
 }
 
+/// How far (in logits) the running max may lag behind the true max before the kernel
+/// rescales: exp(8) ~ 3e3, far from f32 overflow even summed over 2^30 cells.
+inline constexpr float rescale_margin = 8.0f;
+
 /// Softmax state and output accumulator of the M slots of a work item.
 template <std::size_t M>
 struct attn_state {
-    float m[M];     ///< running max of the scaled logits (-inf: nothing seen)
+    float m[M];     ///< reference max: >= every logit seen minus rescale_margin (-inf: nothing seen)
     float l[M];     ///< running sum of exp(logit - m)
     float* acc;     ///< M x dv running outputs (not yet divided by l)
 };
@@ -118,11 +122,11 @@ struct attn_shape {
 };
 
 /// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
-/// p_buf: M x 16 floats scratch; vt_buf: 16 x dv floats scratch (transposed V only).
+/// Scratch: p_buf M x 16 floats, vt_buf 16 x dv floats (transposed V only), q_buf dk x M floats.
 template <std::size_t M, class T>
 void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta& meta, const attn_shape& sh,
                  const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges, attn_state<M>& st,
-                 float* p_buf, float* vt_buf) noexcept {
+                 float* p_buf, float* vt_buf, float* q_buf) noexcept {
     using simd::fbatch;
     constexpr std::size_t L = simd::lanes;
     constexpr std::size_t B = k_tile / L;  // sub-batches per tile
@@ -134,6 +138,15 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     const float ninf = -std::numeric_limits<float>::infinity();
     const std::uint32_t dk = sh.dk, dv = sh.dv;
     const bool vt = kv.vl == v_layout::transposed;
+    // The M queries, pre-scaled, interleaved [d][slot]: one base pointer for every broadcast.
+    for (std::uint32_t d = 0; d < dk; ++d)
+        for (std::size_t s = 0; s < M; ++s) q_buf[std::size_t{d} * M + s] = slots[s].active ? slots[s].q[d] * sh.scale : 0.0f;
+
+    // Per-lane partial sums of exp(logit - m): one horizontal add per item, not per tile.
+    // (L is a power of two, so st.l / L spread over the lanes of block 0 sums back exactly.)
+    fbatch lsum[M][B];
+    for (std::size_t s = 0; s < M; ++s)
+        for (std::size_t b = 0; b < B; ++b) lsum[s][b] = fbatch(b == 0 ? st.l[s] / static_cast<float>(L) : 0.0f);
 
     for (std::size_t r = 0; r < n_ranges; ++r) {
         for (std::uint32_t t = ranges[r].t0; t < ranges[r].t1; ++t) {
@@ -160,7 +173,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                         fbatch krow[B];
                         for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
                         for (std::size_t s = 0; s < M; ++s) {
-                            const fbatch qd(slots[s].q[d + c]);
+                            const fbatch qd(q_buf[std::size_t{d + c} * M + s]);
                             for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
                         }
                     }
@@ -169,7 +182,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     fbatch krow[B];
                     for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
                     for (std::size_t s = 0; s < M; ++s) {
-                        const fbatch qd(slots[s].q[d]);
+                        const fbatch qd(q_buf[std::size_t{d} * M + s]);
                         for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
                     }
                 }
@@ -192,26 +205,29 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 }
                 float tmax = ninf;
                 for (std::size_t b = 0; b < B; ++b) {
-                    fbatch x = sc[s][b] * fbatch(sh.scale);
+                    fbatch x = sc[s][b];
                     if (sh.softcap > 0.0f) x = fbatch(sh.softcap) * xsimd::tanh(x / fbatch(sh.softcap));
                     x = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
                     sc[s][b] = x;
                     const float mb = simd::hmax(x);
                     tmax = mb > tmax ? mb : tmax;
                 }
-                const float m_new = tmax > st.m[s] ? tmax : st.m[s];
+                // Lazy max: keep the reference m until a logit exceeds it by more than
+                // rescale_margin, so most tiles skip the rescale; p <= e^8 cannot overflow.
+                const float m_new = st.m[s] == ninf || tmax > st.m[s] + rescale_margin ? tmax : st.m[s];
                 if (m_new != st.m[s]) {
                     alpha[s] = st.m[s] == ninf ? 0.0f : std::exp(st.m[s] - m_new);
                     rescale = true;
                     st.m[s] = m_new;
                 }
-                fbatch sum(0.0f);
+                const bool partial = mask[s] != 0xffffu;
                 for (std::size_t b = 0; b < B; ++b) {
-                    const fbatch pb = xsimd::exp(sc[s][b] - fbatch(m_new));
+                    fbatch pb = simd::exp_bounded(sc[s][b] - fbatch(m_new));
+                    if (partial)
+                        pb = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), pb, fbatch(0.0f));
                     pb.store_unaligned(p_buf + s * k_tile + b * L);
-                    sum += pb;
+                    lsum[s][b] = xsimd::fma(lsum[s][b], fbatch(alpha[s]), pb);
                 }
-                st.l[s] = st.l[s] * alpha[s] + xsimd::hadd(sum);
             }
 
             // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j]
@@ -283,6 +299,11 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             else
                 accumulate(static_cast<const float*>(vt_buf));
         }
+    }
+    for (std::size_t s = 0; s < M; ++s) {
+        fbatch v = lsum[s][0];
+        for (std::size_t b = 1; b < B; ++b) v += lsum[s][b];
+        st.l[s] = xsimd::hadd(v);
     }
 }
 

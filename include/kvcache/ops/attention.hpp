@@ -186,6 +186,7 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
         float* acc = mine;
         float* p_buf = acc + M * dv;
         float* vt_buf = p_buf + M * k_tile;
+        float* q_buf = vt_buf + std::size_t{k_tile} * dv;
         KVCACHE_OMP(for schedule(dynamic, 1))
         for (std::int64_t it = 0; it < n_items; ++it) {
             const auto item = static_cast<std::size_t>(it);
@@ -202,7 +203,7 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
             }
             std::fill(acc, acc + M * dv, 0.0f);
             kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k],
-                                       split_first[k + 1] - split_first[k], st, p_buf, vt_buf);
+                                       split_first[k + 1] - split_first[k], st, p_buf, vt_buf, q_buf);
             if (n_split == 1) {
                 for (std::size_t s = 0; s < M; ++s) {
                     float* o = out_rows[h * slots_per_head + g * M + s];
@@ -349,7 +350,7 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
             ws.split_first_.push_back(ws.split_ranges_.size());
         }
     }
-    const std::size_t per_thread = M * dv + M * k_tile + std::size_t{k_tile} * dv + 16;
+    const std::size_t per_thread = M * dv + M * k_tile + std::size_t{k_tile} * dv + M * dk + 16;
     ws.scratch_.resize(per_thread * static_cast<std::size_t>(threads));
     if (n_split > 1) ws.partial_.resize(base_items * n_split * M * (dv + 2));
 

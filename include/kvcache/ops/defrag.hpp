@@ -3,21 +3,22 @@
 // Attention reads cells [0, n) with n = last used cell + 1 (F8), so holes below the
 // last used cell cost bandwidth. When fragmentation 1 - used / n exceeds a threshold
 // (and n >= min_cells), defrag() moves occupied cells from the end into the holes at
-// the front: the hole nearest the front takes the occupied cell nearest the end, K and
-// V of every layer move with the cell's metadata (position, sequences, pending shift),
-// at most max_moves cells per pass. Every sequence's contents, and so every attention
+// the front: the k holes nearest the front take the k occupied cells nearest the end
+// (k stops where the two meet, or at max_moves per pass), in increasing order on both
+// sides, so runs of cells move as runs (whole K tiles and V rows by memcpy). K and V
+// of every layer move with the cell's metadata (position, sequences, pending shift). Every sequence's contents, and so every attention
 // result, are bit-identical before and after; only cell indices change.
 //
 // Layouts that place cells themselves (paged blocks, ring regions) keep their own
 // order and are refused at compile time.
 #pragma once
 
+#include <algorithm>  // std::reverse
 #include <cmath>    // std::isfinite
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
 #include <cstring>  // std::memcpy
 #include <string>   // messages
-#include <utility>  // std::pair
 #include <vector>   // move list
 
 #include "../cells/cell_table.hpp"
@@ -69,21 +70,33 @@ defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
     const std::uint32_t n = cells.last_used() + 1;
     if (n < p.min_cells || fragmentation(cache) <= p.threshold) return res;
 
-    // Plan: holes from the front meet occupied cells from the back.
-    std::vector<std::pair<std::uint32_t, std::uint32_t>> moves;  // (src, dst)
-    std::uint32_t hole = 0, data = n - 1;
+    // Plan: holes from the front meet occupied cells from the back; every chosen hole is
+    // below every chosen cell, so pairing both in increasing order is valid.
+    std::vector<std::uint32_t> holes, data;
+    std::uint32_t hole = 0, cell = n - 1;
     const std::uint32_t limit = p.max_moves == 0 ? n : p.max_moves;
-    while (moves.size() < limit) {
-        while (hole < data && !cells.is_free(hole)) ++hole;
-        while (data > hole && cells.is_free(data)) --data;
-        if (hole >= data) break;
-        moves.emplace_back(data, hole);
-        ++hole;
-        --data;
+    while (holes.size() < limit) {
+        while (hole < cell && !cells.is_free(hole)) ++hole;
+        while (cell > hole && cells.is_free(cell)) --cell;
+        if (hole >= cell) break;
+        holes.push_back(hole++);
+        data.push_back(cell--);
     }
-    if (moves.empty()) return res;
+    if (holes.empty()) return res;
+    std::reverse(data.begin(), data.end());
+    // Runs: maximal stretches where source and destination both advance by one cell.
+    struct run {
+        std::uint32_t src, dst, len;
+    };
+    std::vector<run> runs;
+    for (std::size_t i = 0; i < holes.size(); ++i) {
+        if (!runs.empty() && runs.back().src + runs.back().len == data[i] && runs.back().dst + runs.back().len == holes[i])
+            ++runs.back().len;
+        else
+            runs.push_back({data[i], holes[i], 1});
+    }
 
-    // K and V of every layer: layers in parallel, each moving cell in turn.
+    // K and V of every layer: layers in parallel, each run in turn.
     auto& storage = cache.storage();
     const model_shape& shape = cache.shape();
     using T = typename Cache::storage_type;
@@ -94,24 +107,36 @@ defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
     for (std::int64_t l = 0; l < n_layer; ++l) {
         const auto v = storage.view(static_cast<std::uint32_t>(l));
         for (std::uint32_t h = 0; h < v.n_head_kv; ++h)
-            for (const auto& [src, dst] : moves) {
-                for (std::uint32_t d = 0; d < v.dim_k; ++d) v.k[v.k_offset(h, dst, d)] = v.k[v.k_offset(h, src, d)];
+            for (const run& r : runs) {
+                for (std::uint32_t i = 0; i < r.len;) {
+                    const std::uint32_t src = r.src + i, dst = r.dst + i;
+                    if (src % k_tile == 0 && dst % k_tile == 0 && r.len - i >= k_tile) {  // a whole K tile
+                        std::memcpy(v.k + v.k_offset(h, dst, 0), v.k + v.k_offset(h, src, 0),
+                                    sizeof(T) * k_tile * v.dim_k);
+                        i += k_tile;
+                        continue;
+                    }
+                    for (std::uint32_t d = 0; d < v.dim_k; ++d) v.k[v.k_offset(h, dst, d)] = v.k[v.k_offset(h, src, d)];
+                    ++i;
+                }
                 if (v.vl == v_layout::row_major) {
-                    std::memcpy(v.v + v.v_offset(h, dst, 0), v.v + v.v_offset(h, src, 0), sizeof(T) * v.dim_v);
+                    std::memcpy(v.v + v.v_offset(h, r.dst, 0), v.v + v.v_offset(h, r.src, 0),
+                                sizeof(T) * v.dim_v * r.len);
                 } else {
-                    for (std::uint32_t d = 0; d < v.dim_v; ++d) v.v[v.v_offset(h, dst, d)] = v.v[v.v_offset(h, src, d)];
+                    for (std::uint32_t d = 0; d < v.dim_v; ++d)
+                        std::memcpy(v.v + v.v_offset(h, r.dst, d), v.v + v.v_offset(h, r.src, d), sizeof(T) * r.len);
                 }
             }
     }
     // Metadata: each destination takes its source's exact state.
-    for (const auto& [src, dst] : moves) {
-        const cell_table::snapshot s = cells.save(src);
-        cells.free_cell(src);
-        cells.load(dst, s);
+    for (std::size_t i = 0; i < holes.size(); ++i) {
+        const cell_table::snapshot s = cells.save(data[i]);
+        cells.free_cell(data[i]);
+        cells.load(holes[i], s);
     }
     cache.reset_head(detail::internal_access{});
-    res.moves = static_cast<std::uint32_t>(moves.size());
-    res.bytes_moved = moves.size() * cache.bytes_per_token();
+    res.moves = static_cast<std::uint32_t>(holes.size());
+    res.bytes_moved = holes.size() * cache.bytes_per_token();
     return res;
 }
 
