@@ -71,14 +71,15 @@ struct options {
 };
 
 [[noreturn]] void usage(const char* why) {
-    std::fprintf(stderr,
-                 "kvcache_demo: %s\n"
+    const bool help = why == nullptr;
+    std::fprintf(help ? stdout : stderr,
+                 "%s%s"
                  "usage: kvcache_demo [--json FILE] [--seed N] [--base-tokens N] [--threads N]\n"
                  "                    [--model llama2c.bin] [--tokenizer tokenizer.bin] [--save-model FILE]\n"
                  "                    [--context-shift] [--self-extend] [--ttft] [--no-timing]\n"
                  "                    [--ctx N] [--n-keep N] [--n-gen N] [--ga-n N] [--ga-w N] [--temp T]\n",
-                 why);
-    std::exit(2);
+                 help ? "" : "kvcache_demo: ", help ? "" : (std::string(why) + "\n").c_str());
+    std::exit(help ? 0 : 2);
 }
 
 options parse(int argc, char** argv) {
@@ -126,7 +127,7 @@ options parse(int argc, char** argv) {
         else if (a == "--ttft") select(o.ttft);
         else if (a == "--context-shift") select(o.context_shift);
         else if (a == "--self-extend") select(o.self_extend);
-        else if (a == "-h" || a == "--help") usage("help");
+        else if (a == "-h" || a == "--help") usage(nullptr);
         else usage(("unknown argument " + a).c_str());
     }
     if (o.n_keep >= o.ctx / 2) usage("--n-keep must be smaller than --ctx / 2");

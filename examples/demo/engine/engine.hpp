@@ -52,7 +52,7 @@ public:
     using const_map = Eigen::Map<const matrix>;
 
     struct options {
-        std::uint32_t n_ubatch = 512;  ///< tokens per micro-batch (one transaction each)
+        std::uint32_t n_ubatch = 512;  ///< tokens per micro-batch (bounds the scratch size)
         int n_threads = 0;             ///< kernel threads; <= 0: OpenMP default
     };
 
@@ -70,8 +70,9 @@ public:
 
     /// Evaluates tokens[i] at position pos[i] for sequence seq, appending their K/V to the cache.
     /// logits receives vocab floats for the last token, or tokens.size() x vocab when all_logits.
-    /// Throws model_error (bad token id, sizes) or kvcache::error / the placement's error (no room);
-    /// on any throw the cache is exactly as before the call (no cell placed).
+    /// Throws model_error (bad token id, sizes, no room in the cache) or kvcache::error (bad
+    /// sequence, position already held); on any throw no cell is placed: the cache holds what it
+    /// held before the call (a pending K-shift may have been applied, which changes no position).
     void eval(Cache& cache, std::span<const token_t> tokens, std::span<const pos_t> pos, seq_id_t seq,
               std::vector<float>& logits, bool all_logits = false) {
         const llama_config& cfg = w_.config;
