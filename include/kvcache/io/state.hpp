@@ -27,7 +27,14 @@
 #include <utility>      // std::pair, std::move
 #include <vector>       // buffers and staging
 
-#define XXH_INLINE_ALL  // header-only use of Debian's libxxhash-dev: nothing to link
+// Header-only use of Debian's libxxhash-dev (nothing to link). With AVX-512 enabled,
+// GCC 12 reports a false -Wuninitialized inside its own AVX-512 intrinsics that xxHash's
+// AVX-512 path inlines, so that path is replaced by the AVX2 one (still faster than DRAM
+// per core). Define XXH_VECTOR yourself to choose another.
+#define XXH_INLINE_ALL
+#if !defined(XXH_VECTOR) && defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#define XXH_VECTOR 2  // XXH_AVX2
+#endif
 #include <xxhash.h>
 
 #include "../cells/cell_table.hpp"
@@ -223,12 +230,13 @@ void save_layer(const kv_layer_view<const T>& v, const copy_plan& p, std::span<c
             std::memcpy(k_out + r.from * tile_bytes, v.k_tile_ptr(h, r.to), r.len * tile_bytes);
         for (std::uint32_t t : p.k_lane_tiles) {
             std::byte* tile = k_out + t * tile_bytes;
-            std::memset(tile, 0, tile_bytes);  // lanes past n_cells stay zero
             const std::uint32_t n = std::min(k_tile, p.n_cells - t * k_tile);
-            for (std::uint32_t j = 0; j < n; ++j) {
-                const std::uint32_t c = map[t * k_tile + j];
-                for (std::uint32_t d = 0; d < v.dim_k; ++d)
-                    std::memcpy(tile + (std::size_t{d} * k_tile + j) * es, v.k + v.k_offset(h, c, d), es);
+            if (n < k_tile) std::memset(tile, 0, tile_bytes);  // lanes past n_cells stay zero
+            std::size_t base[k_tile];  // element d of lane j is at v.k[base[j] + d * 16]
+            for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[t * k_tile + j], 0);
+            for (std::uint32_t d = 0; d < v.dim_k; ++d) {
+                std::byte* row = tile + std::size_t{d} * k_tile * es;
+                for (std::uint32_t j = 0; j < n; ++j) std::memcpy(row + j * es, v.k + base[j] + d * k_tile, es);
             }
         }
         out += std::size_t{p.n_tiles} * tile_bytes;
@@ -261,10 +269,11 @@ void load_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<const s
         for (std::uint32_t t : p.k_lane_tiles) {
             const std::byte* tile = in + t * tile_bytes;
             const std::uint32_t n = std::min(k_tile, p.n_cells - t * k_tile);
-            for (std::uint32_t j = 0; j < n; ++j) {
-                const std::uint32_t c = map[t * k_tile + j];
-                for (std::uint32_t d = 0; d < v.dim_k; ++d)
-                    std::memcpy(v.k + v.k_offset(h, c, d), tile + (std::size_t{d} * k_tile + j) * es, es);
+            std::size_t base[k_tile];  // element d of lane j goes to v.k[base[j] + d * 16]
+            for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[t * k_tile + j], 0);
+            for (std::uint32_t d = 0; d < v.dim_k; ++d) {
+                const std::byte* row = tile + std::size_t{d} * k_tile * es;
+                for (std::uint32_t j = 0; j < n; ++j) std::memcpy(v.k + base[j] + d * k_tile, row + j * es, es);
             }
         }
         in += std::size_t{p.n_tiles} * tile_bytes;
