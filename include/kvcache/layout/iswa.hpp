@@ -124,21 +124,9 @@ public:
     }
 
     /// Writes K rows of model layer l for the placed tokens (n_head_kv x head_dim_k floats each).
-    void write_k(std::uint32_t l, const iswa_placement& p, const float* rows) {
-        const auto [sw, local] = map_.at(check_layer("write_k", l));
-        if (sw)
-            swa_.write_k(local, p.swa.cells, rows);
-        else
-            full_.write_k(local, p.full.cells, rows);
-    }
+    void write_k(std::uint32_t l, const iswa_placement& p, const float* rows) { write("write_k", l, p, rows, false); }
     /// Writes V rows of model layer l for the placed tokens.
-    void write_v(std::uint32_t l, const iswa_placement& p, const float* rows) {
-        const auto [sw, local] = map_.at(check_layer("write_v", l));
-        if (sw)
-            swa_.write_v(local, p.swa.cells, rows);
-        else
-            full_.write_v(local, p.full.cells, rows);
-    }
+    void write_v(std::uint32_t l, const iswa_placement& p, const float* rows) { write("write_v", l, p, rows, true); }
 
     /// Commits both caches (the ring prunes what left the window).
     tx_result commit() noexcept {
@@ -173,6 +161,17 @@ public:
     }
 
 private:
+    void write(const char* fn, std::uint32_t l, const iswa_placement& p, const float* rows, bool is_v) {
+        const auto [sw, local] = map_.at(check_layer(fn, l));
+        if (sw && is_v)
+            swa_.write_v(local, p.swa.cells, rows);
+        else if (sw)
+            swa_.write_k(local, p.swa.cells, rows);
+        else if (is_v)
+            full_.write_v(local, p.full.cells, rows);
+        else
+            full_.write_k(local, p.full.cells, rows);
+    }
     std::uint32_t check_layer(const char* fn, std::uint32_t l) const {
         if (l >= n_layer_)
             detail::fail(errc::invalid_argument, std::string(fn) + ": layer = " + std::to_string(l) +
