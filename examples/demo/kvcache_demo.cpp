@@ -27,6 +27,7 @@
 
 #include "engine/context.hpp"
 #include "engine/engine.hpp"
+#include "engine/kshift_check.hpp"
 #include "engine/llama2c.hpp"
 #include "engine/sampler.hpp"
 #include "engine/server.hpp"
@@ -395,50 +396,17 @@ private:
         serve(s, "chunk reuse", 1, "system + old turn + document (cold)", first, std::nullopt, false);
 
         // Snapshot the document's cells: after the move their K must equal a direct re-rotation.
-        const seq_id_t seq = 0;
-        const auto& cells = s.cache.cells();
         const pos_t src = static_cast<pos_t>(sys.size() + old_turn.size());
         const pos_t delta = -static_cast<pos_t>(old_turn.size());
-        const auto& shape = s.cache.shape();
-        struct saved {
-            std::uint32_t cell;
-            pos_t pos;
-            std::vector<float> k;
-        };
-        std::vector<saved> before;
-        for (std::uint32_t c : cells.used_cells()) {
-            if (!cells.seqs(c).test(seq) || cells.pos(c) < src || before.size() >= 64) continue;
-            saved sv{c, cells.pos(c), std::vector<float>(shape.k_row_size() * shape.n_layer)};
-            for (std::uint32_t l = 0; l < shape.n_layer; ++l) s.cache.read_k(l, c, sv.k.data() + l * shape.k_row_size());
-            before.push_back(std::move(sv));
-        }
+        const std::vector<demo::k_snapshot> before = demo::snapshot_k(s.cache, 0, src, 64);
 
         const std::vector<token_t> second = concat({&sys, &doc, &question});
         const demo::response r = serve(s, "chunk reuse", 2, "system + document + question", second, 0.15, false);
         row& x = rows_.back();
-        // K-shift exactness: rotated K vs RoPE(K_old, delta) in double.
-        double worst = 0;
-        bool moved = true;
-        std::vector<float> k(shape.k_row_size());
-        for (const saved& sv : before) {
-            if (cells.pos(sv.cell) != sv.pos + delta || !cells.seqs(sv.cell).test(seq)) moved = false;
-            for (std::uint32_t l = 0; l < shape.n_layer; ++l) {
-                s.cache.read_k(l, sv.cell, k.data());
-                const float* old = sv.k.data() + l * shape.k_row_size();
-                for (std::uint32_t h = 0; h < shape.n_head_kv; ++h)
-                    for (std::uint32_t i = 0; i < shape.head_dim_k / 2; ++i) {
-                        const double theta = static_cast<double>(delta) *
-                                             std::pow(static_cast<double>(shape.rope.freq_base),
-                                                      -2.0 * i / static_cast<double>(shape.head_dim_k));
-                        const std::size_t a = h * shape.head_dim_k + 2 * i;
-                        const double x0 = old[a], x1 = old[a + 1];
-                        const double y0 = x0 * std::cos(theta) - x1 * std::sin(theta);
-                        const double y1 = x0 * std::sin(theta) + x1 * std::cos(theta);
-                        worst = std::max({worst, std::abs(k[a] - y0) / (1.0 + std::abs(y0)),
-                                          std::abs(k[a + 1] - y1) / (1.0 + std::abs(y1))});
-                    }
-            }
-        }
+        const demo::k_shift_report ks = demo::check_k_shift(s.cache, 0, before);
+        bool moved = ks.n_cells == before.size() && ks.n_moved == before.size();
+        for (const demo::k_snapshot& sv : before) moved = moved && s.cache.cells().pos(sv.cell) == sv.pos + delta;
+        const double worst = ks.max_error;
         // The moved block's K/V were computed after the old turn, so (as in llama-server's
         // --cache-reuse) the logits approximate a cold run; report the difference.
         const auto [diff, same] = verify_.compare(second, r.logits);
@@ -588,8 +556,14 @@ bool run_context_shift(const demo::llama_weights& w, const demo::tokenizer& tok,
         if (n_past + 1 >= o.ctx) {
             const auto plan = demo::plan_context_shift(n_past, o.n_keep);
             const pos_t before = n_past;
+            const auto k_before = demo::snapshot_k(cache, 0, 0, cache.capacity());
             n_past = demo::context_shift(cache, 0, n_past, plan);
             ++shifts;
+            demo::kv_ops::apply_k_shift(cache);  // (the next eval would do it; done here to check it)
+            const demo::k_shift_report ks = demo::check_k_shift(cache, 0, k_before);
+            const bool kshift_ok = ks.max_error <= 1e-5 && ks.n_moved + static_cast<std::size_t>(plan.n_keep) ==
+                                                               static_cast<std::size_t>(n_past);
+            ok = ok && kshift_ok;
             // The sequence must now hold exactly positions [0, n_past), once each.
             const auto& sp = cache.cells().seq_positions(0);
             bool contiguous = sp.size() == static_cast<std::size_t>(n_past) && sp.begin()->first == 0 &&
@@ -597,9 +571,10 @@ bool run_context_shift(const demo::llama_weights& w, const demo::tokenizer& tok,
             for (const auto& [p, count] : sp) contiguous = contiguous && count == 1;
             ok = ok && contiguous;
             std::printf("  shift %2d at token %5d: n_past %d -> %d (keep %d, discard %d), cells used %u/%u, "
-                        "buffer %zu bytes%s\n",
+                        "buffer %zu bytes, K-shift error %.0e%s%s\n",
                         shifts, i, before, n_past, plan.n_keep, plan.n_discard, cache.used(), cache.capacity(),
-                        cache.total_bytes(), contiguous ? "" : "  POSITIONS WRONG");
+                        cache.total_bytes(), ks.max_error, contiguous ? "" : "  POSITIONS WRONG",
+                        kshift_ok ? "" : "  K-SHIFT WRONG");
         }
         const std::vector<token_t> one{t};
         eng.eval(cache, one, n_past, 0, logits);
@@ -636,8 +611,23 @@ bool run_self_extend(const demo::llama_weights& w, const demo::tokenizer& tok, c
     pos_t n_past = 0;
     int added = 0;
     const auto t0 = clock_type::now();
+    // Every Self-Extend step moves cells with seq_add and seq_div; the K-shift must rotate each
+    // moved cell's K by (new position - old position) (F14: llama.cpp records the opposite sign
+    // for seq_div). Checked on every step against a direct RoPE of the K before the step.
+    demo::k_shift_report worst;
+    auto extend = [&](pos_t past) {
+        const auto before = demo::snapshot_k(cache, 0, 0, cache.capacity());
+        const pos_t after = se.apply(cache, 0, past);
+        if (after != past) {
+            demo::kv_ops::apply_k_shift(cache);
+            const demo::k_shift_report r = demo::check_k_shift(cache, 0, before);
+            worst.max_error = std::max(worst.max_error, r.max_error);
+            worst.n_moved += r.n_moved;
+        }
+        return after;
+    };
     while (added < n_prompt) {
-        n_past = se.apply(cache, 0, n_past);
+        n_past = extend(n_past);
         const int n = std::min(batch, n_prompt - added);
         eng.eval(cache, std::span<const token_t>(prompt).subspan(static_cast<std::size_t>(added), static_cast<std::size_t>(n)),
                  n_past, 0, logits);
@@ -647,12 +637,12 @@ bool run_self_extend(const demo::llama_weights& w, const demo::tokenizer& tok, c
     demo::sampler greedy(0.0f, 0);
     for (int i = 0; i < n_gen; ++i) {
         const std::vector<token_t> one{greedy.sample(logits)};
-        n_past = se.apply(cache, 0, n_past);
+        n_past = extend(n_past);
         eng.eval(cache, one, n_past, 0, logits);
         ++n_past;
         ++added;
     }
-    n_past = se.apply(cache, 0, n_past);
+    n_past = extend(n_past);
     const double ms = ms_since(t0);
     // Compare the sequence's positions with the closed form.
     std::map<pos_t, std::uint32_t> want;
@@ -662,11 +652,14 @@ bool run_self_extend(const demo::llama_weights& w, const demo::tokenizer& tok, c
     bool finite = true;
     for (float v : logits) finite = finite && std::isfinite(v);
     const pos_t max_pos = cache.seq_pos_max(0);
-    const bool pass = positions_ok && n_past_ok && finite;
+    const bool kshift_ok = worst.max_error <= 1e-5 && worst.n_moved > 0;
+    const bool pass = positions_ok && n_past_ok && finite && kshift_ok;
     std::printf("  %d tokens now span positions [0, %d] (ga_i %d): grouped by %d below %d, shifted by %d above; "
-                "positions match the formula: %s; n_past %d: %s (%.0f ms)\n  Self-Extend: %s\n",
+                "positions match the formula: %s; n_past %d: %s;\n  K-shift after seq_add/seq_div vs direct RoPE "
+                "at the new positions: max error %.1e over %zu cell moves (%.0f ms)\n  Self-Extend: %s\n",
                 added, max_pos, se.ga_i(), o.ga_n, o.ga_n * se.ga_i(), -(o.ga_n - 1) * se.ga_i(),
-                positions_ok ? "yes" : "NO", n_past, n_past_ok ? "ok" : "WRONG", ms, pass ? "PASS" : "FAIL");
+                positions_ok ? "yes" : "NO", n_past, n_past_ok ? "ok" : "WRONG", worst.max_error, worst.n_moved, ms,
+                pass ? "PASS" : "FAIL");
     return pass;
 }
 

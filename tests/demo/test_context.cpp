@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "../../examples/demo/engine/context.hpp"
+#include "../../examples/demo/engine/kshift_check.hpp"
+#include "../../examples/demo/engine/model.hpp"
 
 namespace {
 
@@ -163,4 +165,45 @@ TEST_CASE("Self-Extend parameters are validated") {
     CHECK_THROWS_WITH_AS(demo::self_extend(0, 8), doctest::Contains("ga_n = 0"), std::invalid_argument);
     CHECK_THROWS_WITH_AS(demo::self_extend(4, 0), doctest::Contains("ga_w = 0"), std::invalid_argument);
     CHECK_THROWS_WITH_AS(demo::self_extend(4, 10), doctest::Contains("multiple of ga_n = 4"), std::invalid_argument);
+}
+
+TEST_CASE("K-shift check: the library's K-shift passes it, a skipped rotation fails it") {
+    const std::uint64_t seed = 77;
+    std::printf("K-shift check: seed %llu\n", static_cast<unsigned long long>(seed));
+    for (bool rotate : {true, false}) {
+        kvcache::model_shape sh = shape(64);
+        sh.n_layer = 2;
+        sh.n_head_kv = 2;
+        sh.head_dim_k = 8;
+        cache_t c(sh);
+        std::vector<kvcache::pos_t> pos(40);
+        for (int i = 0; i < 40; ++i) pos[static_cast<std::size_t>(i)] = i;
+        const std::vector<kvcache::seq_id_t> seq(pos.size(), 0);
+        {
+            kvcache::transaction tx(c);
+            const auto cells = c.place(pos, seq).value().cells;
+            demo::splitmix64 rng(seed);
+            std::vector<float> rows(cells.size() * sh.k_row_size());
+            for (auto& x : rows) x = static_cast<float>(rng.uniform() * 2 - 1);
+            for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
+                c.write_k(l, cells, rows.data());
+                c.write_v(l, cells, rows.data());
+            }
+            tx.commit();
+        }
+        const auto before = demo::snapshot_k(c, 0, 0, 64);
+        CHECK(before.size() == 40);
+        demo::context_shift(c, 0, 40, demo::plan_context_shift(40, 4));  // positions 22..39 move by -18
+        if (rotate)
+            kvcache::ops::apply_k_shift(c);
+        else
+            c.clear_shifts();
+        const demo::k_shift_report r = demo::check_k_shift(c, 0, before);
+        CHECK(r.n_cells == 22);
+        CHECK(r.n_moved == 18);
+        if (rotate)
+            CHECK(r.max_error <= 1e-6);
+        else
+            CHECK(r.max_error > 1e-2);
+    }
 }
