@@ -212,9 +212,12 @@ void prefix_hit_load(benchmark::State& state, Store store) {
     const double bytes = static_cast<double>(n_tok) * static_cast<double>(cache.bytes_per_token());
     state.counters["entry_MiB"] = bytes / (1 << 20);
     if constexpr (!std::is_same_v<Store, kvcache::shared_store<llama_cache>>) {
-        // K/V bytes read + written per load, against this machine's one-thread copy bandwidth
+        // K/V bytes read + written per load, against this machine's copy bandwidth with the
+        // same (OpenMP default) thread count: copy_store moves layers in parallel
         const double achieved = 2 * bytes * static_cast<double>(state.iterations()) / load_s;
-        state.counters["copy_bw_frac"] = achieved / kvcache::bench::measure_copy_bw(1);
+        const int threads = kvcache::bench::resolve_threads(0);
+        state.counters["threads"] = threads;
+        state.counters["copy_bw_frac"] = achieved / kvcache::bench::measure_copy_bw(threads);
     }
 }
 BENCHMARK_CAPTURE(prefix_hit_load, copy_store, kvcache::copy_store<llama_cache>{})

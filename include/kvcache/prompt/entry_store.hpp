@@ -60,7 +60,8 @@ std::vector<std::uint32_t> seq_cells_by_pos(const Cache& cache, seq_id_t s) {
 }
 }  // namespace detail
 
-/// Copies an entry's K/V out of the cache (raw storage elements, bit-exact) and back in.
+/// Copies an entry's K/V out of the cache (raw storage elements, bit-exact) and back in,
+/// layers in parallel (OpenMP) for large entries.
 template <class Cache>
 class copy_store {
 public:
@@ -91,8 +92,12 @@ public:
         }
         h.data.resize(row * cells.size() * sh.n_layer);
         const std::size_t per_layer = row * cells.size();
-        for (std::uint32_t l = 0; l < sh.n_layer; ++l)
-            transfer<true>(cache.storage().view(l), cells, h.data.data() + l * per_layer);
+        storage_type* out = h.data.data();
+        const auto n_layer = static_cast<std::int64_t>(sh.n_layer);
+        KVCACHE_OMP(parallel for schedule(static) if (per_layer * sh.n_layer > parallel_min))
+        for (std::int64_t l = 0; l < n_layer; ++l)
+            transfer<true>(cache.storage().view(static_cast<std::uint32_t>(l)), cells,
+                           out + static_cast<std::size_t>(l) * per_layer);
         return h;
     }
 
@@ -114,8 +119,12 @@ public:
         if (!placed) return detail::make_error(placed.code(), "copy_store::load: " + placed.message());
         const auto& cells = placed.value().cells;
         const std::size_t per_layer = row * cells.size();
-        for (std::uint32_t l = 0; l < sh.n_layer; ++l)
-            transfer<false>(cache.storage().view(l), cells, h.data.data() + l * per_layer);
+        const storage_type* in = h.data.data();
+        const auto n_layer = static_cast<std::int64_t>(sh.n_layer);
+        KVCACHE_OMP(parallel for schedule(static) if (per_layer * sh.n_layer > parallel_min))
+        for (std::int64_t l = 0; l < n_layer; ++l)
+            transfer<false>(cache.storage().view(static_cast<std::uint32_t>(l)), cells,
+                            in + static_cast<std::size_t>(l) * per_layer);
         static_cast<void>(cache.commit());
         auto& table = cache.cells_for_update(detail::internal_access{});
         for (std::size_t i = 0; i < cells.size(); ++i) table.set_shift(cells[i], h.shift[i]);
@@ -123,6 +132,9 @@ public:
     }
 
 private:
+    /// Elements below which save/load stay on one thread (OpenMP start-up costs more).
+    static constexpr std::size_t parallel_min = std::size_t{1} << 18;
+
     /// Copies one layer between the cache (cells, in save order) and buf (Save: cache -> buf).
     /// Runs of consecutive cells are copied as contiguous segments (K: up to a 16-cell tile).
     template <bool Save, class View, class Buf>
