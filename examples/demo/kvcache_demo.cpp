@@ -241,7 +241,7 @@ constexpr double logits_tol = 1e-4;
 class ttft_runner {
 public:
     ttft_runner(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o)
-        : w_(w), tok_(tok), opt_(o), engine_(w), verify_(w, n_cells()), text_(tok, o.seed + 1) {}
+        : opt_(o), engine_(w), verify_(w, n_cells()), text_(tok, o.seed + 1) {}
 
     std::vector<row> run() {
         const auto n = static_cast<std::size_t>(opt_.base_tokens);
@@ -439,8 +439,6 @@ private:
         }
     }
 
-    const demo::llama_weights& w_;
-    const demo::tokenizer& tok_;
     const options& opt_;
     demo::llama_engine<server_cache> engine_;
     verifier verify_;
@@ -512,7 +510,8 @@ bool write_json(const std::string& path, const std::vector<row>& rows, const std
             out << x.max_abs_diff;
         else
             out << "null";
-        out << ", \"logits_check_ok\": " << (x.check_ok ? "true" : "false") << "}"
+        out << ", \"logits_argmax_match\": " << (x.argmax_match ? "true" : "false")
+            << ", \"logits_check_ok\": " << (x.check_ok ? "true" : "false") << "}"
             << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     out << "  ],\n  \"checks\": [\n";
