@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <kvcache/kvcache.hpp>
+#include <kvcache/layout/paged.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -49,7 +50,9 @@ void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed) {
             std::vector<pos_t> pos(n);
             std::vector<seq_id_t> seq(n, sq);
             for (auto& p : pos) p = next[static_cast<std::size_t>(sq)]++;
-            auto pl = cache.place(pos, seq).value();
+            auto placed = cache.place(pos, seq);
+            if (!placed.ok()) break;  // full (a paged layout also runs out of blocks)
+            const auto& pl = placed.value();
             for (std::uint32_t l = 0; l < s.n_layer; ++l) {
                 std::vector<float> k(n * s.k_row_size()), v(n * s.v_row_size());
                 for (auto& x : k) x = nd(rng);
@@ -117,9 +120,17 @@ query_set random_queries(std::mt19937& rng, std::uint32_t n_q, std::uint32_t n_h
     return qs;
 }
 
+// Cells per block of a paged layout (its capacity must be a multiple), 1 otherwise.
+template <class Layout>
+constexpr std::uint32_t block_cells = 1;
+template <std::uint32_t B, kvcache::v_layout V>
+constexpr std::uint32_t block_cells<kvcache::paged<B, V>> = B;
+
 template <class Cache>
-void check_case(const scenario_cfg& c, std::uint32_t seed, std::uint32_t group, std::uint32_t n_q,
+void check_case(scenario_cfg c, std::uint32_t seed, std::uint32_t group, std::uint32_t n_q,
                 kvcache::ops::attention_params p, double tol_self, double tol_f32) {
+    constexpr std::uint32_t blk = block_cells<typename Cache::layout>;
+    c.n_cells = (c.n_cells + blk - 1) / blk * blk;
     CAPTURE(seed);
     CAPTURE(c.n_head_kv);
     CAPTURE(c.dk);
@@ -174,13 +185,15 @@ void check_case(const scenario_cfg& c, std::uint32_t seed, std::uint32_t group, 
     }
 }
 
-template <class Element, kvcache::v_layout VL>
-struct combo {
-    using cache = kvcache::kv_cache<Element, kvcache::contiguous<VL>>;
+template <class Element, class Layout>
+struct layout_combo {
+    using cache = kvcache::kv_cache<Element, Layout>;
     static constexpr double tol_f32 = std::is_same_v<Element, kvcache::f32>   ? 1e-10
                                       : std::is_same_v<Element, kvcache::f16> ? 5e-4
                                                                               : 5e-3;
 };
+template <class Element, kvcache::v_layout VL>
+using combo = layout_combo<Element, kvcache::contiguous<VL>>;
 
 }  // namespace
 
@@ -188,7 +201,7 @@ TEST_CASE_TEMPLATE("attention matches the float64 oracle over random shapes", C,
                    combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>,
                    combo<kvcache::bf16, kvcache::v_layout::row_major>,
                    combo<kvcache::f16, kvcache::v_layout::transposed>,
-                   combo<kvcache::f32, kvcache::v_layout::transposed>) {
+                   combo<kvcache::f32, kvcache::v_layout::transposed>, layout_combo<kvcache::f16, kvcache::paged<32>>) {
     const std::uint32_t base_seed = 20261122;
     MESSAGE("seed base ", base_seed);
     std::mt19937 rng(base_seed);
@@ -214,7 +227,8 @@ TEST_CASE_TEMPLATE("attention matches the float64 oracle over random shapes", C,
 }
 
 TEST_CASE_TEMPLATE("attention decode with split-K matches the oracle", C,
-                   combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
+                   combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>,
+                   layout_combo<kvcache::f16, kvcache::paged<64>>) {
     for (int threads : {1, 2, 3, 8}) {
         scenario_cfg c;
         c.n_head_kv = 1;

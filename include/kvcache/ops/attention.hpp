@@ -323,8 +323,22 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     for (std::size_t x = 0; x < ws.slots_.size(); ++x)
         if (!ws.slots_[x].active) ws.slots_[x].q = q;
 
-    // Tiles to visit: one range [0, n_tiles) (the metadata skips tiles nobody sees).
+    // Tiles to visit: one range [0, n_tiles) (the metadata skips tiles nobody sees), or,
+    // when every row belongs to one sequence and the layout can list that sequence's
+    // tiles (a paged layout's block table: storage.tile_ranges(seq)), just those.
     ws.ranges_.assign(1, kernels::tile_range{0, n_tiles});
+    if constexpr (requires(const typename Cache::storage_t& st, seq_id_t sq) { st.tile_ranges(sq); }) {
+        bool one_seq = true;
+        for (std::uint32_t i = 1; i < n_q; ++i) one_seq = one_seq && q_seq[i] == q_seq[0];
+        if (one_seq) {
+            ws.ranges_.clear();
+            for (const auto& r : cache.storage().tile_ranges(q_seq[0])) {
+                const auto t0 = static_cast<std::uint32_t>(r.first);
+                const auto t1 = std::min(static_cast<std::uint32_t>(r.second), n_tiles);
+                if (t0 < t1) ws.ranges_.push_back({t0, t1});
+            }
+        }
+    }
 
     // Split-K when there are too few items to feed the threads.
     const std::size_t base_items = std::size_t{hkv} * (per_head / M);
