@@ -4,7 +4,10 @@
 #include <doctest/doctest.h>
 
 #include <kvcache/kvcache.hpp>
+#include <kvcache/layout/paged.hpp>
+#include <kvcache/layout/ring.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -227,4 +230,61 @@ TEST_CASE("slots: shared_store global cache shares cells with the slot instead o
     CHECK(r.metrics.from_global == 300);
     CHECK(r.metrics.computed == 3);
     CHECK(cache.used() == 301 + 4);  // slot 1 added only its own new cells
+}
+
+TEST_CASE("slots: paged layout: a shared_store hit shares blocks, a copy_store hit copies them") {
+    using paged_t = kvcache::kv_cache<kvcache::paged<16>, reuse::global<>>;
+    const prompt_tokens a = toy::text(320, 0);
+    auto shared_blocks = [](const paged_t& c, kvcache::seq_id_t s, kvcache::seq_id_t t) {
+        const auto x = c.storage().block_table(s), y = c.storage().block_table(t);
+        std::size_t n = 0;
+        for (auto b : x) n += static_cast<std::size_t>(std::count(y.begin(), y.end(), b));
+        return n;
+    };
+    SUBCASE("shared_store") {
+        using store = kvcache::shared_store<paged_t>;
+        paged_t cache(toy::shape(2048, 16));
+        kvcache::slot_manager<paged_t, store> slots(cache, {.n_slots = 2}, store(2, 14));
+        run(slots, cache, a, {.slot_id = 0});
+        const auto r = run(slots, cache, cat(a, toy::text(3, 9)), {.slot_id = 1});
+        CHECK(r.metrics.from_global == 320);
+        CHECK(shared_blocks(cache, 0, 1) >= 20);  // positions [0, 320): 20 blocks, shared not copied
+    }
+    SUBCASE("copy_store") {
+        paged_t cache(toy::shape(2048, 16));
+        kvcache::slot_manager<paged_t> slots(cache, {.n_slots = 2});
+        run(slots, cache, a, {.slot_id = 0});
+        const auto r = run(slots, cache, cat(a, toy::text(3, 9)), {.slot_id = 1});
+        CHECK(r.metrics.from_global == 320);
+        CHECK(shared_blocks(cache, 0, 1) == 0);
+    }
+}
+
+TEST_CASE("slots F23 on the ring layout: the window is really gone, the checkpoint brings it back") {
+    constexpr std::uint32_t w = 8;
+    using ring_t = kvcache::kv_cache<kvcache::ring<w>, reuse::lcp>;
+    ring_t cache(toy::shape(kvcache::ring<w>::cells_for(2, 64), 2));
+    kvcache::slot_manager<ring_t> slots(cache, {.n_slots = 1, .n_swa = w});
+    const prompt_tokens p = toy::text(40), q = cat(toy::text(30), toy::text(10, 7000));
+    auto r = slots.prepare(p);
+    toy::fill(cache, r.seq, p, 0, 20);
+    slots.save_checkpoint(r.slot);  // the ring holds positions [12, 20)
+    toy::fill(cache, r.seq, p, 20, 40);
+    CHECK(cache.seq_pos_min(r.seq) == 40 - static_cast<kvcache::pos_t>(w));  // pruned by the layout
+    slots.commit_prompt(r.slot);
+    slots.release(r.slot);
+    r = slots.prepare(q);
+    CHECK(r.metrics.checkpoint_restored);
+    CHECK(r.n_past == 20);
+    CHECK(toy::max_error(cache, r.seq, q, 20, false, 20 - w) == 0.0);
+    toy::fill(cache, r.seq, q, 20, 40);
+    slots.commit_prompt(r.slot);
+    slots.release(r.slot);
+    // an exact repeat cannot re-enter at position 39 either (position 31 is gone): the
+    // checkpoint at 19 is still the newest usable one
+    r = slots.prepare(q);
+    CHECK(r.metrics.checkpoint_restored);
+    CHECK(r.n_past == 20);
+    slots.release(r.slot);
+    CHECK(cache.seq_pos_max(r.seq) == 19);  // release dropped nothing the host computed: it computed nothing
 }

@@ -126,16 +126,16 @@ long cell_of(const Cache& cache, kvcache::seq_id_t seq, kvcache::pos_t p) {
     return -1;
 }
 
-/// Largest |difference| between the cached K/V of seq at positions [0, n) and a fresh
+/// Largest |difference| between the cached K/V of seq at positions [from, n) and a fresh
 /// computation of p's prefix at the same positions. Missing cells count as infinity.
 template <class Cache>
 double max_error(const Cache& cache, kvcache::seq_id_t seq, const kvcache::prompt_tokens& p, std::size_t n,
-                 bool context_free = false) {
+                 bool context_free = false, std::size_t from = 0) {
     const auto& s = cache.shape();
     double worst = 0;
     std::vector<float> row(std::max(s.k_row_size(), s.v_row_size()));
     const auto ks = keys(p, context_free);
-    for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t i = from; i < n; ++i) {
         const long c = cell_of(cache, seq, static_cast<kvcache::pos_t>(i));
         if (c < 0) return INFINITY;
         const rows r = compute(s, ks[i], static_cast<kvcache::pos_t>(i));
