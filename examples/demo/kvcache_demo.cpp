@@ -484,8 +484,15 @@ std::string json_escape(const std::string& s) {
     return o;
 }
 
+/// Outcome of the context-shift and Self-Extend runs, for the final summary and the JSON.
+struct check_result {
+    std::string name;
+    std::string summary;
+    bool pass = false;
+};
+
 bool write_json(const std::string& path, const std::vector<row>& rows, const std::string& machine,
-                const std::vector<std::pair<std::string, bool>>& checks) {
+                const std::vector<check_result>& checks) {
     std::ofstream out(path);
     if (!out) return false;
     out << "{\n  \"machine\": \"" << json_escape(machine) << "\",\n  \"rows\": [\n";
@@ -516,8 +523,9 @@ bool write_json(const std::string& path, const std::vector<row>& rows, const std
     }
     out << "  ],\n  \"checks\": [\n";
     for (std::size_t i = 0; i < checks.size(); ++i)
-        out << "    {\"name\": \"" << json_escape(checks[i].first) << "\", \"pass\": "
-            << (checks[i].second ? "true" : "false") << "}" << (i + 1 < checks.size() ? "," : "") << "\n";
+        out << "    {\"name\": \"" << json_escape(checks[i].name) << "\", \"summary\": \""
+            << json_escape(checks[i].summary) << "\", \"pass\": " << (checks[i].pass ? "true" : "false") << "}"
+            << (i + 1 < checks.size() ? "," : "") << "\n";
     out << "  ]\n}\n";
     return static_cast<bool>(out);
 }
@@ -526,7 +534,7 @@ bool write_json(const std::string& path, const std::vector<row>& rows, const std
 
 /// F13: generates past the context size; every time it is full, keeps n_keep tokens,
 /// discards half of the rest and shifts the remainder left. Returns whether every check held.
-bool run_context_shift(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o) {
+check_result run_context_shift(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o) {
     std::printf("\n== context shift (F13): n_ctx %d, n_keep %d, %d tokens to generate, temperature %.2f, seed %llu\n",
                 o.ctx, o.n_keep, o.n_gen, static_cast<double>(o.temperature),
                 static_cast<unsigned long long>(o.seed + 2));
@@ -587,7 +595,12 @@ bool run_context_shift(const demo::llama_weights& w, const demo::tokenizer& tok,
     std::printf("  generated %d tokens (%.1f ms/token) through %d context shifts; memory constant at %zu bytes; "
                 "sample: \"%s\"\n  context shift: %s\n",
                 o.n_gen, ms / o.n_gen, shifts, bytes, sample_text.c_str(), pass ? "PASS" : "FAIL");
-    return pass;
+    char summary[200];
+    std::snprintf(summary, sizeof summary,
+                  "n_ctx %d, n_keep %d: %d tokens generated through %d shifts, positions and K-shift checked after "
+                  "each, K/V buffer constant at %zu bytes",
+                  o.ctx, o.n_keep, o.n_gen, shifts, bytes);
+    return {"context shift (F13)", summary, pass};
 }
 
 // ------------------------------------------------------------------------- Self-Extend
@@ -595,7 +608,7 @@ bool run_context_shift(const demo::llama_weights& w, const demo::tokenizer& tok,
 /// F14: a prompt longer than the "trained" window, evaluated in batches with the seed's
 /// ga_n / ga_w loop before each batch; then generation. Checks the positions against
 /// self_extend's closed form.
-bool run_self_extend(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o) {
+check_result run_self_extend(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o) {
     const int n_prompt = 4 * o.ga_w, batch = 64, n_gen = 32;
     std::printf("\n== Self-Extend (F14): ga_n %d, ga_w %d, %d prompt tokens in batches of %d, %d generated\n", o.ga_n,
                 o.ga_w, n_prompt, batch, n_gen);
@@ -659,7 +672,11 @@ bool run_self_extend(const demo::llama_weights& w, const demo::tokenizer& tok, c
                 added, max_pos, se.ga_i(), o.ga_n, o.ga_n * se.ga_i(), -(o.ga_n - 1) * se.ga_i(),
                 positions_ok ? "yes" : "NO", n_past, n_past_ok ? "ok" : "WRONG", worst.max_error, worst.n_moved, ms,
                 pass ? "PASS" : "FAIL");
-    return pass;
+    char summary[200];
+    std::snprintf(summary, sizeof summary,
+                  "ga_n %d, ga_w %d: %d tokens in positions [0, %d], positions %s the closed form, K-shift error %.0e",
+                  o.ga_n, o.ga_w, added, max_pos, positions_ok ? "match" : "DO NOT match", worst.max_error);
+    return {"Self-Extend (F14)", summary, pass};
 }
 
 }  // namespace
@@ -728,28 +745,35 @@ int main(int argc, char** argv) {
 
     bool ok = true;
     std::vector<row> rows;
-    std::vector<std::pair<std::string, bool>> checks;
+    std::vector<check_result> checks;
     try {
         if (o.ttft) {
             std::printf("\n== TTFT through slots + global prompt cache (base prompt %d tokens)\n", o.base_tokens);
             ttft_runner runner(w, tok, o);
             rows = runner.run();
-            print_table(rows);
             for (const row& x : rows) ok = ok && x.pass;
         }
         if (o.context_shift) {
-            const bool p = run_context_shift(w, tok, o);
-            checks.emplace_back("context shift", p);
-            ok = ok && p;
+            checks.push_back(run_context_shift(w, tok, o));
+            ok = ok && checks.back().pass;
         }
         if (o.self_extend) {
-            const bool p = run_self_extend(w, tok, o);
-            checks.emplace_back("self-extend", p);
-            ok = ok && p;
+            checks.push_back(run_self_extend(w, tok, o));
+            ok = ok && checks.back().pass;
         }
     } catch (const std::exception& e) {
         std::fprintf(stderr, "kvcache_demo: error: %s\n", e.what());
         ok = false;
+    }
+    // The tables come last, after every run's progress lines.
+    if (!rows.empty()) {
+        std::printf("\n== TTFT (base prompt %d tokens; ratio = TTFT / the scenario's cold round)\n", o.base_tokens);
+        print_table(rows);
+    }
+    if (!checks.empty()) {
+        std::printf("\n| run | what was checked | result |\n|---|---|---|\n");
+        for (const check_result& c : checks)
+            std::printf("| %s | %s | %s |\n", c.name.c_str(), c.summary.c_str(), c.pass ? "PASS" : "FAIL");
     }
     if (!o.json.empty()) {
         if (!write_json(o.json, rows, machine, checks)) {
