@@ -159,15 +159,24 @@ constexpr void require_raw_view() {
 struct copy_plan {
     struct run {
         std::uint32_t from;  ///< first saved tile (K) or saved cell (V)
-        std::uint32_t to;    ///< first storage tile (K) or cell (V)
+        std::uint32_t to;    ///< first storage tile (K) or cell (V); unused for lane segments
         std::uint32_t len;   ///< tiles (K) or cells (V)
+        bool lanes;          ///< K: one saved tile whose cells are copied one by one
     };
-    std::vector<run> k_runs;                ///< saved tiles whose 16 cells fill one aligned storage tile
-    std::vector<std::uint32_t> k_lane_tiles;  ///< the other saved tiles, copied cell by cell
-    std::vector<run> v_runs;                ///< consecutive saved cells in consecutive storage cells
+    std::vector<run> k_segs;  ///< every saved tile in order: runs of whole aligned tiles, or lane segments
+    std::vector<run> v_runs;  ///< every saved cell in order: consecutive saved cells in consecutive storage cells
     std::uint32_t n_cells = 0;
     std::uint32_t n_tiles = 0;  ///< ceil(n_cells / 16)
 };
+
+/// Appends {from, to, 1} to runs, or extends the last run when both sides continue it.
+inline void add_to_run(std::vector<copy_plan::run>& runs, std::uint32_t from, std::uint32_t to, bool lanes) {
+    if (!lanes && !runs.empty() && !runs.back().lanes && runs.back().from + runs.back().len == from &&
+        runs.back().to + runs.back().len == to)
+        ++runs.back().len;
+    else
+        runs.push_back({from, to, 1, lanes});
+}
 
 inline copy_plan make_copy_plan(std::span<const std::uint32_t> map) {
     copy_plan p;
@@ -177,24 +186,9 @@ inline copy_plan make_copy_plan(std::span<const std::uint32_t> map) {
         const std::uint32_t first = t * k_tile;
         bool aligned = first + k_tile <= p.n_cells && map[first] % k_tile == 0;
         for (std::uint32_t j = 1; aligned && j < k_tile; ++j) aligned = map[first + j] == map[first] + j;
-        if (!aligned) {
-            p.k_lane_tiles.push_back(t);
-            continue;
-        }
-        const std::uint32_t st = map[first] / k_tile;
-        if (!p.k_runs.empty() && p.k_runs.back().from + p.k_runs.back().len == t &&
-            p.k_runs.back().to + p.k_runs.back().len == st)
-            ++p.k_runs.back().len;
-        else
-            p.k_runs.push_back({t, st, 1});
+        add_to_run(p.k_segs, t, aligned ? map[first] / k_tile : 0, !aligned);
     }
-    for (std::uint32_t i = 0; i < p.n_cells; ++i) {
-        if (!p.v_runs.empty() && p.v_runs.back().from + p.v_runs.back().len == i &&
-            p.v_runs.back().to + p.v_runs.back().len == map[i])
-            ++p.v_runs.back().len;
-        else
-            p.v_runs.push_back({i, map[i], 1});
-    }
+    for (std::uint32_t i = 0; i < p.n_cells; ++i) add_to_run(p.v_runs, i, map[i], false);
     return p;
 }
 
@@ -218,77 +212,62 @@ inline std::optional<layer_sizes> sizes_for(const fingerprint& f, std::uint64_t 
     return layer_sizes{*k_head, *v_head, *layer};
 }
 
-/// Copies one layer's K/V of the cells in `map` into the format at `out` and feeds it to the hash.
-template <class T>
-void save_layer(const kv_layer_view<const T>& v, const copy_plan& p, std::span<const std::uint32_t> map,
-                std::byte* out, XXH3_state_t* hash) {
+/// Moves one layer's K/V between the storage cells in `map` and the format bytes at
+/// `fmt`: Save copies storage -> format and feeds the format bytes to `hash` in file
+/// order, in chunks small enough to be hashed while still in cache; !Save copies
+/// format -> storage. T is const for Save.
+template <bool Save, class T, class B>
+void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<const std::uint32_t> map, B* fmt,
+                    XXH3_state_t* hash) {
     constexpr std::size_t es = sizeof(T);
+    constexpr std::size_t chunk = std::size_t{64} << 10;
+    auto move = [&](std::size_t f, T* s, std::size_t n) {  // n bytes at format offset f <-> storage s
+        if constexpr (Save)
+            std::memcpy(fmt + f, s, n);
+        else
+            std::memcpy(s, fmt + f, n);
+    };
+    auto hashed = [&](std::size_t f, std::size_t n) {
+        if constexpr (Save) XXH3_64bits_update(hash, fmt + f, n);
+    };
+    // A run of n bytes: format offset f <-> storage s, hashed chunk by chunk.
+    auto move_run = [&](std::size_t f, T* s, std::size_t n) {
+        for (std::size_t o = 0; o < n; o += chunk) {
+            const std::size_t m = std::min(chunk, n - o);
+            move(f + o, s + o / es, m);
+            hashed(f + o, m);
+        }
+    };
     const std::size_t tile_bytes = std::size_t{k_tile} * v.dim_k * es;
-    for (std::uint32_t h = 0; h < v.n_head_kv; ++h) {
-        std::byte* k_out = out;
-        for (const auto& r : p.k_runs)
-            std::memcpy(k_out + r.from * tile_bytes, v.k_tile_ptr(h, r.to), r.len * tile_bytes);
-        for (std::uint32_t t : p.k_lane_tiles) {
-            std::byte* tile = k_out + t * tile_bytes;
-            const std::uint32_t n = std::min(k_tile, p.n_cells - t * k_tile);
-            if (n < k_tile) std::memset(tile, 0, tile_bytes);  // lanes past n_cells stay zero
+    const std::size_t row_bytes = std::size_t{v.dim_v} * es;
+    std::size_t at = 0;  // format offset of the current head's K or V block
+    for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_tiles} * tile_bytes) {
+        for (const auto& sg : p.k_segs) {
+            const std::size_t f0 = at + sg.from * tile_bytes;
+            if (!sg.lanes) {
+                move_run(f0, v.k_tile_ptr(h, sg.to), sg.len * tile_bytes);
+                continue;
+            }
+            const std::uint32_t n = std::min(k_tile, p.n_cells - sg.from * k_tile);
+            if constexpr (Save)
+                if (n < k_tile) std::memset(fmt + f0, 0, tile_bytes);  // lanes past n_cells stay zero
             std::size_t base[k_tile];  // element d of lane j is at v.k[base[j] + d * 16]
-            for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[t * k_tile + j], 0);
-            for (std::uint32_t d = 0; d < v.dim_k; ++d) {
-                std::byte* row = tile + std::size_t{d} * k_tile * es;
-                for (std::uint32_t j = 0; j < n; ++j) std::memcpy(row + j * es, v.k + base[j] + d * k_tile, es);
-            }
+            for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[sg.from * k_tile + j], 0);
+            for (std::uint32_t d = 0; d < v.dim_k; ++d)
+                for (std::uint32_t j = 0; j < n; ++j)
+                    move(f0 + (std::size_t{d} * k_tile + j) * es, v.k + base[j] + std::size_t{d} * k_tile, es);
+            hashed(f0, tile_bytes);
         }
-        out += std::size_t{p.n_tiles} * tile_bytes;
-        XXH3_64bits_update(hash, k_out, static_cast<std::size_t>(out - k_out));
     }
-    const std::size_t row_bytes = std::size_t{v.dim_v} * es;
-    for (std::uint32_t h = 0; h < v.n_head_kv; ++h) {
-        std::byte* v_out = out;
+    for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_cells} * row_bytes) {
         if (v.vl == v_layout::row_major) {
-            for (const auto& r : p.v_runs)
-                std::memcpy(v_out + r.from * row_bytes, v.v + v.v_offset(h, r.to, 0), r.len * row_bytes);
-        } else {
-            for (std::uint32_t i = 0; i < p.n_cells; ++i)
-                for (std::uint32_t d = 0; d < v.dim_v; ++d)
-                    std::memcpy(v_out + i * row_bytes + d * es, v.v + v.v_offset(h, map[i], d), es);
+            for (const auto& r : p.v_runs) move_run(at + r.from * row_bytes, v.v + v.v_offset(h, r.to, 0), r.len * row_bytes);
+            continue;
         }
-        out += std::size_t{p.n_cells} * row_bytes;
-        XXH3_64bits_update(hash, v_out, static_cast<std::size_t>(out - v_out));
-    }
-}
-
-/// Copies one layer's K/V from the format at `in` into the cells in `map`.
-template <class T>
-void load_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<const std::uint32_t> map,
-                const std::byte* in) {
-    constexpr std::size_t es = sizeof(T);
-    const std::size_t tile_bytes = std::size_t{k_tile} * v.dim_k * es;
-    for (std::uint32_t h = 0; h < v.n_head_kv; ++h) {
-        for (const auto& r : p.k_runs) std::memcpy(v.k_tile_ptr(h, r.to), in + r.from * tile_bytes, r.len * tile_bytes);
-        for (std::uint32_t t : p.k_lane_tiles) {
-            const std::byte* tile = in + t * tile_bytes;
-            const std::uint32_t n = std::min(k_tile, p.n_cells - t * k_tile);
-            std::size_t base[k_tile];  // element d of lane j goes to v.k[base[j] + d * 16]
-            for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[t * k_tile + j], 0);
-            for (std::uint32_t d = 0; d < v.dim_k; ++d) {
-                const std::byte* row = tile + std::size_t{d} * k_tile * es;
-                for (std::uint32_t j = 0; j < n; ++j) std::memcpy(v.k + base[j] + d * k_tile, row + j * es, es);
-            }
+        for (std::uint32_t i = 0; i < p.n_cells; ++i) {
+            for (std::uint32_t d = 0; d < v.dim_v; ++d) move(at + i * row_bytes + d * es, v.v + v.v_offset(h, map[i], d), es);
+            hashed(at + i * row_bytes, row_bytes);
         }
-        in += std::size_t{p.n_tiles} * tile_bytes;
-    }
-    const std::size_t row_bytes = std::size_t{v.dim_v} * es;
-    for (std::uint32_t h = 0; h < v.n_head_kv; ++h) {
-        if (v.vl == v_layout::row_major) {
-            for (const auto& r : p.v_runs)
-                std::memcpy(v.v + v.v_offset(h, r.to, 0), in + r.from * row_bytes, r.len * row_bytes);
-        } else {
-            for (std::uint32_t i = 0; i < p.n_cells; ++i)
-                for (std::uint32_t d = 0; d < v.dim_v; ++d)
-                    std::memcpy(v.v + v.v_offset(h, map[i], d), in + i * row_bytes + d * es, es);
-        }
-        in += std::size_t{p.n_cells} * row_bytes;
     }
 }
 
@@ -369,7 +348,7 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
     const copy_plan plan = make_copy_plan(cells);
     const layer_sizes ls = *sizes_for(f, cells.size());
     for (std::uint32_t l = 0; l < f.n_layer; ++l)
-        save_layer(cache.storage().view(l), plan, cells, w.take(static_cast<std::size_t>(ls.layer)), &hash);
+        transfer_layer<true>(cache.storage().view(l), plan, cells, w.take(static_cast<std::size_t>(ls.layer)), &hash);
     w.put<std::uint64_t>(XXH3_64bits_digest(&hash));
     KVCACHE_ASSERT(w.pos() == out.data() + out.size());
 }
@@ -653,7 +632,7 @@ result<load_info> commit_state(const char* fn, Cache& cache, staged_state&& st, 
     if (st.kind == state_kind::whole_cache) cache.reset_head(internal_access{});
     const copy_plan plan = make_copy_plan(info.cells);
     for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l)
-        load_layer(cache.storage().view(l), plan, info.cells, st.data + l * st.layer_bytes);
+        transfer_layer<false>(cache.storage().view(l), plan, info.cells, st.data + l * st.layer_bytes, nullptr);
     info.kind = st.kind;
     info.saved_seq = st.saved_seq;
     info.tokens = std::move(st.tokens);
