@@ -5,7 +5,7 @@
 //   model_shape.hpp     model shape, RoPE parameters, validation
 //   cells/              per-cell metadata (positions, sequence sets, shifts) and indexes
 //   element/            f32, f16, bf16 element policies
-//   layout/             K/V storage arrangements (contiguous, ...)
+//   layout/             K/V storage arrangements (contiguous, paged, ring) and the ISWA cache
 //   reuse/              reuse strategies across requests
 //   simd/               arch-specific helpers (f16/bf16 conversion)
 #pragma once
@@ -21,12 +21,17 @@
 #include "element/bf16.hpp"
 #include "layout/kv_storage.hpp"
 #include "layout/contiguous.hpp"
+#include "layout/paged.hpp"
+#include "layout/ring.hpp"
 #include "reuse/none.hpp"
 #include "kv_cache.hpp"
+#include "layout/iswa.hpp"
 #include "io/state.hpp"
 #include "ops/rope.hpp"
 #include "ops/kshift.hpp"
 #include "ops/attention.hpp"
+#include "ops/defrag.hpp"
+#include "ops/memory.hpp"
 #include "ops/context_shift.hpp"
 #include "prompt/prompt_tokens.hpp"
 #include "prompt/radix_index.hpp"
