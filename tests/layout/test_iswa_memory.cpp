@@ -104,10 +104,11 @@ TEST_CASE_TEMPLATE("iswa: attention per layer equals the reference for its layer
         std::uniform_real_distribution<float> u(-1.0f, 1.0f);
         for (auto& x : q) x = u(rng);
         const pos_t qp = next[s] - 1;
-        for (std::uint32_t l = 0; l < c.n_layer(); ++l) {
+        for (std::uint32_t l = 0; l < c.n_layer(); ++l)
+          for (ops::kernel_path path : {ops::kernel_path::scalar, ops::kernel_path::simd}) {
             ops::attention_params ap;
             ap.n_head = n_head;
-            ap.path = ops::kernel_path::scalar;
+            ap.path = path;
             std::vector<float> out(n_head * dv);
             if (c.is_swa(l)) {
                 ap.window = static_cast<std::int32_t>(W);

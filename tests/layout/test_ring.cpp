@@ -75,7 +75,7 @@ TEST_CASE("ring: generation far past the window keeps memory constant and attent
         for (auto& x : q) x = u(rng);
         const pos_t qp = next[s] - 1;
         for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
-          for (ops::kernel_path path : {ops::kernel_path::scalar}) {
+          for (ops::kernel_path path : {ops::kernel_path::scalar, ops::kernel_path::simd}) {
             std::vector<float> out(n_head * dv);
             ops::attention_params ap;
             ap.n_head = n_head;
