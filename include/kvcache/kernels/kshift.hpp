@@ -52,28 +52,44 @@ inline void rotate_tile(T* tile, std::uint32_t n_rot, rope_type type, const tile
         const auto sub = static_cast<std::uint32_t>((rot.mask >> (b * L)) & ((1u << L) - 1u));
         if (sub == 0) continue;
         const auto keep = simd::lane_mask(sub);
-        for (std::uint32_t i = 0; i < n_pairs; ++i) {
-            std::uint32_t d0, d1;
-            rope_pair(type, n_rot, i, d0, d1);
-            T* r0 = tile + std::size_t{d0} * k_tile + b * L;
-            T* r1 = tile + std::size_t{d1} * k_tile + b * L;
-            const fbatch x0 = simd::load(r0), x1 = simd::load(r1);
-            fbatch c, s;
-            if (rot.uniform) {
-                c = fbatch(cos_tab[i]);
-                s = fbatch(sin_tab[i]);
-            } else {
-                c = fbatch::load_unaligned(rot.lane_cos + std::size_t{i} * k_tile + b * L);
-                s = fbatch::load_unaligned(rot.lane_sin + std::size_t{i} * k_tile + b * L);
+        // Pairs in chunks of CH: all loads of a chunk first, so that NeoX (whose partner
+        // rows are half a tile apart) reads CH consecutive rows of each half in one burst
+        // instead of alternating between the halves row by row.
+        constexpr std::uint32_t CH = 8;
+        for (std::uint32_t i0 = 0; i0 < n_pairs; i0 += CH) {
+            const std::uint32_t nc = n_pairs - i0 < CH ? n_pairs - i0 : CH;
+            fbatch x0[CH], x1[CH];
+            T* r0[CH];
+            T* r1[CH];
+            for (std::uint32_t u = 0; u < nc; ++u) {
+                std::uint32_t d0, d1;
+                rope_pair(type, n_rot, i0 + u, d0, d1);
+                r0[u] = tile + std::size_t{d0} * k_tile + b * L;
+                r1[u] = tile + std::size_t{d1} * k_tile + b * L;
+                x0[u] = simd::load(r0[u]);
             }
-            fbatch y0 = xsimd::fms(x0, c, x1 * s);
-            fbatch y1 = xsimd::fma(x0, s, x1 * c);
-            if (!full) {
-                y0 = xsimd::select(keep, y0, x0);
-                y1 = xsimd::select(keep, y1, x1);
+            for (std::uint32_t u = 0; u < nc; ++u) x1[u] = simd::load(r1[u]);
+            for (std::uint32_t u = 0; u < nc; ++u) {
+                const std::uint32_t i = i0 + u;
+                fbatch c, s;
+                if (rot.uniform) {
+                    c = fbatch(cos_tab[i]);
+                    s = fbatch(sin_tab[i]);
+                } else {
+                    c = fbatch::load_unaligned(rot.lane_cos + std::size_t{i} * k_tile + b * L);
+                    s = fbatch::load_unaligned(rot.lane_sin + std::size_t{i} * k_tile + b * L);
+                }
+                fbatch y0 = xsimd::fms(x0[u], c, x1[u] * s);
+                fbatch y1 = xsimd::fma(x0[u], s, x1[u] * c);
+                if (!full) {
+                    y0 = xsimd::select(keep, y0, x0[u]);
+                    y1 = xsimd::select(keep, y1, x1[u]);
+                }
+                x0[u] = y0;
+                x1[u] = y1;
             }
-            simd::store(r0, y0);
-            simd::store(r1, y1);
+            for (std::uint32_t u = 0; u < nc; ++u) simd::store(r0[u], x0[u]);
+            for (std::uint32_t u = 0; u < nc; ++u) simd::store(r1[u], x1[u]);
         }
     }
 }

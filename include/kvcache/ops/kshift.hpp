@@ -116,6 +116,7 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
         const std::uint32_t n_head_kv = shape.n_head_kv;
         const rope_type type = shape.rope.type;
         const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
+        const std::size_t tile_bytes = std::size_t{k_tile} * shape.dim_k() * sizeof(storage_type);
         const int threads = n_threads;
         static_cast<void>(threads);
         for (std::uint32_t l = 0; l < shape.n_layer; ++l) {
@@ -128,6 +129,13 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
                     const float* ct = pl.cos_tab.data() + std::size_t{rot.table} * pl.n_pairs;
                     const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
                     storage_type* tile = v.k_tile_ptr(h, rot.tile);
+                    if (k + 2 < n_tiles) {
+                        // NeoX walks a tile as two interleaved half-tile streams, which the
+                        // hardware prefetcher follows poorly: ask for the tile after next.
+                        const char* next = reinterpret_cast<const char*>(
+                            v.k_tile_ptr(h, pl.tiles[static_cast<std::size_t>(k + 2)].tile));
+                        for (std::size_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 1, 3);
+                    }
                     if (path == kernel_path::simd) {
                         kernels::rotate_tile(tile, pl.n_rot, type, rot, ct, st);
                     } else {
