@@ -121,6 +121,13 @@ template <class T>
 void patch(std::vector<std::byte>& b, std::size_t off, T v) {
     std::memcpy(b.data() + off, &v, sizeof(T));
 }
+/// A copy of b with value v at offset `at` and a fresh checksum.
+template <class T>
+std::vector<std::byte> patched(std::vector<std::byte> b, std::size_t at, T v) {
+    patch(b, at, v);
+    reseal(b);
+    return b;
+}
 template <class T>
 T peek(const std::vector<std::byte>& b, std::size_t off) {
     T v;

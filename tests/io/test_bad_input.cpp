@@ -113,32 +113,15 @@ TEST_CASE("magic, version, kind, flags and trailing bytes") {
     const kv_f16 c = small_cache();
     const auto b = io::save_state(c, k_tokens, k_media);
     expect_refused({}, true, errc::truncated, "0 bytes");
-    auto x = b;
-    patch<std::uint32_t>(x, off::magic, 0x46554747u);  // "GGUF"
-    reseal(x);
-    expect_refused(x, true, errc::bad_magic, "not a kvcache state");
-    x = b;
-    patch<std::uint32_t>(x, off::version, 2);
-    reseal(x);
-    expect_refused(x, true, errc::unsupported_version, "newer");
-    patch<std::uint32_t>(x, off::version, 0);
-    reseal(x);
-    expect_refused(x, true, errc::unsupported_version, "older");
+    expect_refused(patched<std::uint32_t>(b, off::magic, 0x46554747u), true, errc::bad_magic, "not a kvcache state");
+    expect_refused(patched<std::uint32_t>(b, off::version, 2), true, errc::unsupported_version, "newer");
+    expect_refused(patched<std::uint32_t>(b, off::version, 0), true, errc::unsupported_version, "older");
     expect_refused(b, false, errc::unsupported, "use load_state");
     expect_refused(io::save_seq(c, 0), true, errc::unsupported, "use load_seq");
-    x = b;
-    patch<std::uint32_t>(x, off::kind, 7);
-    reseal(x);
-    expect_refused(x, true, errc::unsupported, "kind 7");
-    x = b;
-    patch<std::uint32_t>(x, off::flags, 1);
-    reseal(x);
-    expect_refused(x, true, errc::unsupported, "flags");
-    x = b;
-    patch<std::uint32_t>(x, off::reserved, 1);
-    reseal(x);
-    expect_refused(x, true, errc::unsupported, "reserved");
-    x = b;
+    expect_refused(patched<std::uint32_t>(b, off::kind, 7), true, errc::unsupported, "kind 7");
+    expect_refused(patched<std::uint32_t>(b, off::flags, 1), true, errc::unsupported, "flags");
+    expect_refused(patched<std::uint32_t>(b, off::reserved, 1), true, errc::unsupported, "reserved");
+    auto x = b;
     x.push_back(std::byte{0});
     expect_refused(x, true, errc::trailing_bytes, "after its end");
     // Extra bytes declared in total_size and covered by the checksum: between data and checksum.
@@ -186,10 +169,7 @@ TEST_CASE("each fingerprint field mismatched") {
         // Same element size, other type (bf16 vs f16); other size (f32).
         expect_refused<kvcache::kv_cache<kvcache::bf16>>(b, whole, errc::dtype_mismatch, "element type_id");
         expect_refused<kvcache::kv_cache<kvcache::f32>>(b, whole, errc::dtype_mismatch, "element type_id");
-        auto x = b;
-        patch<std::uint32_t>(x, off::elem_size, 4);
-        reseal(x);
-        expect_refused(x, whole, errc::dtype_mismatch, "element size");
+        expect_refused(patched<std::uint32_t>(b, off::elem_size, 4), whole, errc::dtype_mismatch, "element size");
         // Window: a layout with a window refuses a state saved with another one.
         using windowed = kvcache::kv_cache<kvcache::f16, no_shift_layout<8>>;
         // Shifts are pending in the small cache: clear them first so only the window differs.
@@ -232,71 +212,41 @@ TEST_CASE("counts beyond capacity or limits, and products that overflow 64 bits"
 
     io::load_options any;
     any.max_tokens = ~std::uint64_t{0};
+    expect_refused(patched<std::uint64_t>(b, off::n_tokens, (std::uint64_t{1} << 62) + 1), true, errc::truncated, "more than 2^64", small_shape(), any);
+    expect_refused(patched<std::uint64_t>(b, off::n_tokens, std::uint64_t{1} << 40), true, errc::truncated, "n_tokens = 1099511627776 needs", small_shape(), any);
+    expect_refused(patched<std::uint64_t>(b, off::n_media, ~std::uint64_t{0} / 8), true, errc::invalid_cell, "n_media", small_shape(), any);
     auto x = b;
-    patch<std::uint64_t>(x, off::n_tokens, (std::uint64_t{1} << 62) + 1);  // 4 * n overflows 64 bits
-    reseal(x);
-    expect_refused(x, true, errc::truncated, "more than 2^64", small_shape(), any);
-    x = b;
-    patch<std::uint64_t>(x, off::n_tokens, std::uint64_t{1} << 40);
-    reseal(x);
-    expect_refused(x, true, errc::truncated, "n_tokens = 1099511627776 needs", small_shape(), any);
-    x = b;
-    patch<std::uint64_t>(x, off::n_media, ~std::uint64_t{0} / 8);
-    reseal(x);
-    expect_refused(x, true, errc::invalid_cell, "n_media", small_shape(), any);
-    x = b;
     patch<std::uint64_t>(x, off::n_tokens, ~std::uint64_t{0});
     patch<std::uint64_t>(x, off::n_media, ~std::uint64_t{0} / 8);  // 16 * n_media overflows
     reseal(x);
     expect_refused(x, true, errc::truncated, "", small_shape(), any);
-    x = b;
-    patch<std::uint64_t>(x, off::n_cells, std::uint64_t{1} << 61);
-    reseal(x);
-    expect_refused(x, true, errc::no_space, "exceeds the capacity 16");
+    expect_refused(patched<std::uint64_t>(b, off::n_cells, std::uint64_t{1} << 61), true, errc::no_space, "exceeds the capacity 16");
     // Fewer cells than the data holds: sizes no longer add up.
-    x = b;
-    patch<std::uint64_t>(x, off::n_cells, 0);
-    reseal(x);
-    expect_refused(x, true, errc::trailing_bytes);
+    expect_refused(patched<std::uint64_t>(b, off::n_cells, 0), true, errc::trailing_bytes);
 }
 
 TEST_CASE("impossible cells: sequence ids, positions, shifts, duplicates") {
     const kv_f16 c = small_cache();
     const auto b = io::save_state(c, k_tokens, k_media);
     const std::size_t c0 = cells_offset(b);  // pos, shift, n_seq, ids...
-    auto with = [&](std::size_t at, auto value) {
-        auto x = b;
-        patch(x, at, value);
-        reseal(x);
-        return x;
-    };
-    expect_refused(with(c0 + 12, std::int32_t{9}), true, errc::invalid_cell, "sequence id 9 outside [0, 2)");
-    expect_refused(with(c0 + 12, std::int32_t{-1}), true, errc::invalid_cell, "sequence id -1");
-    expect_refused(with(c0, std::int32_t{-3}), true, errc::invalid_cell, "pos = -3, must be >= 0");
-    expect_refused(with(c0 + 4, std::int32_t{1000}), true, errc::invalid_cell, "outside [0, 2^31)");
-    expect_refused(with(c0 + 4, std::numeric_limits<std::int32_t>::min()), true, errc::invalid_cell, "outside [0, 2^31)");
-    expect_refused(with(c0 + 8, std::uint32_t{0}), true, errc::invalid_cell, "holds 0 sequences");
-    expect_refused(with(c0 + 8, std::uint32_t{3}), true, errc::invalid_cell, "holds 3 sequences, must be in [1, 2]");
+    expect_refused(patched(b, c0 + 12, std::int32_t{9}), true, errc::invalid_cell, "sequence id 9 outside [0, 2)");
+    expect_refused(patched(b, c0 + 12, std::int32_t{-1}), true, errc::invalid_cell, "sequence id -1");
+    expect_refused(patched(b, c0, std::int32_t{-3}), true, errc::invalid_cell, "pos = -3, must be >= 0");
+    expect_refused(patched(b, c0 + 4, std::int32_t{1000}), true, errc::invalid_cell, "outside [0, 2^31)");
+    expect_refused(patched(b, c0 + 4, std::numeric_limits<std::int32_t>::min()), true, errc::invalid_cell, "outside [0, 2^31)");
+    expect_refused(patched(b, c0 + 8, std::uint32_t{0}), true, errc::invalid_cell, "holds 0 sequences");
+    expect_refused(patched(b, c0 + 8, std::uint32_t{3}), true, errc::invalid_cell, "holds 3 sequences, must be in [1, 2]");
     // Cell 0 is shared by sequences 0 and 1: make the ids not increasing.
     REQUIRE(peek<std::uint32_t>(b, c0 + 8) == 2);
-    expect_refused(with(c0 + 16, std::int32_t{0}), true, errc::invalid_cell, "not strictly increasing");
+    expect_refused(patched(b, c0 + 16, std::int32_t{0}), true, errc::invalid_cell, "not strictly increasing");
     // n_seq larger than the bytes left.
-    expect_refused(with(c0 + 8, std::uint32_t{0xFFFFFFFFu}), true, errc::invalid_cell);
+    expect_refused(patched(b, c0 + 8, std::uint32_t{0xFFFFFFFFu}), true, errc::invalid_cell);
     // Seq state: the id must be the saved sequence; one id per cell.
     const auto s = io::save_seq(c, 0);
     const std::size_t s0 = cells_offset(s);
-    auto sx = s;
-    patch(sx, s0 + 12, std::int32_t{1});
-    reseal(sx);
-    expect_refused(sx, false, errc::invalid_cell, "holds only sequence 0");
-    sx = s;
-    patch(sx, off::seq, std::int32_t{-4});
-    reseal(sx);
-    expect_refused(sx, false, errc::invalid_cell, "seq = -4");
-    auto wx = b;
-    patch(wx, off::seq, std::int32_t{0});
-    reseal(wx);
-    expect_refused(wx, true, errc::invalid_cell, "must be -1 for a whole cache");
+    expect_refused(patched(s, s0 + 12, std::int32_t{1}), false, errc::invalid_cell, "holds only sequence 0");
+    expect_refused(patched(s, off::seq, std::int32_t{-4}), false, errc::invalid_cell, "seq = -4");
+    expect_refused(patched(b, off::seq, std::int32_t{0}), true, errc::invalid_cell, "must be -1 for a whole cache");
 
     // Pending shifts and duplicate positions: fine where the cache can produce them,
     // refused by a layout that cannot move positions.
@@ -319,18 +269,12 @@ TEST_CASE("bad tokens, media and K padding") {
     const auto b = io::save_state(c, k_tokens, k_media);
     const std::size_t t0 = io::state_header_size;
     const std::size_t m0 = t0 + 4 * k_tokens.size();
-    auto with = [&](std::size_t at, auto value) {
-        auto x = b;
-        patch(x, at, value);
-        reseal(x);
-        return x;
-    };
-    expect_refused(with(t0, std::int32_t{-5}), true, errc::invalid_cell, "token[0] = -5");
-    expect_refused(with(t0, std::int32_t{-1}), true, errc::invalid_cell, "no media chunk covers it");
-    expect_refused(with(t0 + 8, std::int32_t{3}), true, errc::invalid_cell, "must be null_token");
-    expect_refused(with(m0 + 8, std::uint32_t{4}), true, errc::invalid_cell, "beyond the 5 tokens");
-    expect_refused(with(m0 + 12, std::uint32_t{0}), true, errc::invalid_cell, "n_pos = 0");
-    expect_refused(with(m0 + 8, std::uint32_t{0xFFFFFFFFu}), true, errc::invalid_cell, "beyond");
+    expect_refused(patched(b, t0, std::int32_t{-5}), true, errc::invalid_cell, "token[0] = -5");
+    expect_refused(patched(b, t0, std::int32_t{-1}), true, errc::invalid_cell, "no media chunk covers it");
+    expect_refused(patched(b, t0 + 8, std::int32_t{3}), true, errc::invalid_cell, "must be null_token");
+    expect_refused(patched(b, m0 + 8, std::uint32_t{4}), true, errc::invalid_cell, "beyond the 5 tokens");
+    expect_refused(patched(b, m0 + 12, std::uint32_t{0}), true, errc::invalid_cell, "n_pos = 0");
+    expect_refused(patched(b, m0 + 8, std::uint32_t{0xFFFFFFFFu}), true, errc::invalid_cell, "beyond");
     // A lane past the last cell in the K tile must stay zero (4 cells: lane 4 of d = 0).
     const std::size_t data = b.size() - 8 - (16 * 4 + 4 * 4) * 2;
     auto x = b;
