@@ -16,11 +16,12 @@ if(KVCACHE_ARCH_FLAGS)
   target_compile_options(kvcache_native INTERFACE ${KVCACHE_ARCH_FLAGS})
 elseif(KVCACHE_HAS_MARCH_NATIVE)
   target_compile_options(kvcache_native INTERFACE -march=native)
-  # GCC 12.2 (Debian 12) reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic
-  # headers (_mm512_undefined_* sources, GCC PR105593, fixed in 12.3): silence it there.
-  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 12.3)
-    target_compile_options(kvcache_native INTERFACE -Wno-maybe-uninitialized)
-  endif()
+endif()
+# GCC 12.2 (Debian 12) reports -W(maybe-)uninitialized inside its own AVX-512 intrinsic
+# headers (_mm512_undefined_* sources, GCC PR105593, fixed in 12.3), e.g. when xxHash's
+# AVX-512 path is inlined: silence both there.
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 12.3)
+  target_compile_options(kvcache_native INTERFACE -Wno-maybe-uninitialized -Wno-uninitialized)
 endif()
 
 # kvcache_sanitize: ASan + UBSan when KVCACHE_SANITIZE=ON.
