@@ -320,7 +320,22 @@ private:
         std::printf("scenario: exact repeat\n");
         setup s(engine_, n_cells(), 1);
         serve(s, "exact repeat", 1, "base (cold)", base, std::nullopt, false);
-        serve(s, "exact repeat", 2, "same prompt again", base, 0.02, true);
+        // A repeat computes one token (~6 ms here), so one timer tick of machine noise moves
+        // its ratio visibly: send the same prompt 5 times (each a new request, each logits-
+        // checked) and keep the median row; a failed logits check is kept instead.
+        constexpr int n_repeats = 5;
+        const std::size_t first = rows_.size();
+        for (int i = 0; i < n_repeats; ++i)
+            serve(s, "exact repeat", 2, "same prompt again (median of 5)", base, 0.02, true);
+        std::vector<row> reps(rows_.begin() + static_cast<std::ptrdiff_t>(first), rows_.end());
+        rows_.resize(first);
+        char first_ratio[64];  // the first repeat pays one-time warm-up; show it next to the median
+        std::snprintf(first_ratio, sizeof first_ratio, "same prompt again (median of 5; first %.1f%%)",
+                      100.0 * reps.front().ratio);
+        for (auto& x : reps) x.what = first_ratio;
+        std::sort(reps.begin(), reps.end(), [](const row& a, const row& b) { return a.ttft_ms < b.ttft_ms; });
+        const auto bad = std::find_if(reps.begin(), reps.end(), [](const row& x) { return !x.check_ok; });
+        rows_.push_back(bad != reps.end() ? *bad : reps[n_repeats / 2]);
     }
 
     void growing_prefix(const std::vector<token_t>& base) {
