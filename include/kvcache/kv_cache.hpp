@@ -457,6 +457,8 @@ private:
     /// Shared implementation of seq_add / seq_div: new position = f(old) as int64.
     template <class F>
     void move_positions(const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi, F f) {
+        if constexpr (requires { storage_.check_seq_shift(cells_, fn, s, lo, hi, f); })
+            storage_.check_seq_shift(cells_, fn, s, lo, hi, f);  // layout hook (ring: pruned positions)
         std::vector<std::uint32_t> hit;
         std::uint32_t splits = 0;
         for (std::uint32_t c : cells_.used_cells()) {

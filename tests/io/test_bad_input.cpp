@@ -1,7 +1,8 @@
 // Bad state bytes (F15): every refusal has its exact error code and leaves the cache
 // bit-identical (metadata, indexes and every K/V byte).
 //   - truncation at every byte offset and every single-bit flip of small valid states;
-//   - wrong magic, future and past versions, each fingerprint field, kind/flags/reserved;
+//   - wrong magic, future and past versions, each fingerprint field, kind/flags/reserved
+//     (the pruning table of flags bit 0 is tested in test_ring_state.cpp);
 //   - counts beyond capacity or limits, length fields whose products overflow 64 bits;
 //   - bad cells (sequence ids, positions, shifts, duplicates where impossible), bad
 //     tokens and media, nonzero K padding, trailing bytes, an empty input.
@@ -119,7 +120,8 @@ TEST_CASE("magic, version, kind, flags and trailing bytes") {
     expect_refused(b, false, errc::unsupported, "use load_state");
     expect_refused(io::save_seq(c, 0), true, errc::unsupported, "use load_seq");
     expect_refused(patched<std::uint32_t>(b, off::kind, 7), true, errc::unsupported, "kind 7");
-    expect_refused(patched<std::uint32_t>(b, off::flags, 1), true, errc::unsupported, "flags");
+    expect_refused(patched<std::uint32_t>(b, off::flags, 2), true, errc::unsupported, "only bit 0");
+    expect_refused(patched<std::uint32_t>(b, off::flags, 0x80000001u), true, errc::unsupported, "flags");
     expect_refused(patched<std::uint32_t>(b, off::reserved, 1), true, errc::unsupported, "reserved");
     auto x = b;
     x.push_back(std::byte{0});

@@ -26,12 +26,13 @@ inline kvcache::model_shape layout_shape(std::uint32_t n_cells, std::uint32_t n_
     return s;
 }
 
-/// Places one micro-batch in the cache and, when it succeeds, in the model; writes
-/// random K/V rows (rounded through the element type, as the cache stores them).
-/// Returns whether the cache accepted the batch.
+/// Places one micro-batch in the cache and, when it succeeds, in the model (and in
+/// `twin` if given, e.g. a model that never prunes); writes random K/V rows (rounded
+/// through the element type, as the cache stores them). Returns whether the cache
+/// accepted the batch.
 template <class Cache>
 bool place_and_write(Cache& cache, layout_model& model, std::span<const kvcache::pos_t> pos,
-                     std::span<const kvcache::seq_set> seqs, std::mt19937& rng) {
+                     std::span<const kvcache::seq_set> seqs, std::mt19937& rng, layout_model* twin = nullptr) {
     using element = typename Cache::element;
     auto r = cache.place(pos, seqs);
     if (!r) return false;
@@ -58,9 +59,12 @@ bool place_and_write(Cache& cache, layout_model& model, std::span<const kvcache:
             toks[i].v.push_back(vr);
         }
     }
-    model.begin_place();
-    for (std::size_t i = 0; i < pos.size(); ++i)
-        seqs[i].for_each([&](kvcache::seq_id_t s) { model.put(s, pos[i], toks[i]); });
+    for (layout_model* m : {&model, twin}) {
+        if (m == nullptr) continue;
+        m->begin_place();
+        for (std::size_t i = 0; i < pos.size(); ++i)
+            seqs[i].for_each([&](kvcache::seq_id_t s) { m->put(s, pos[i], toks[i]); });
+    }
     return true;
 }
 

@@ -1,7 +1,8 @@
 // ring<Window>: constant memory far past the window, attention equal to a float64
 // reference that sees only the last Window positions of the full history, and the
-// refusals (seq_add / seq_div, seq_rm that needs pruned positions, placement beyond
-// the region) that leave the cache unchanged.
+// refusals (seq_add / seq_div / seq_rm that need pruned positions, placement beyond
+// the region) that leave the cache unchanged. Moving positions with RoPE, context
+// shift, forks and seq_cp are in test_ring_shift.cpp.
 #include <doctest/doctest.h>
 
 #include <kvcache/element/f16.hpp>
@@ -110,24 +111,48 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
     const auto before = kvtest::observe(cache);
     auto unchanged = [&] { CHECK(kvtest::diff(kvtest::observe(cache), before) == ""); };
 
-    CHECK_THROWS_WITH_AS(cache.seq_add(0, -1, -1, 3), doctest::Contains("unsupported"), kvcache::error);
+    // seq_add / seq_div: (a) a range reaching below the pruning point (76)
+    CHECK_THROWS_WITH_AS(cache.seq_add(0, -1, -1, 3), doctest::Contains("cannot move the range [0, end)"),
+                         kvcache::error);
     unchanged();
-    CHECK_THROWS_WITH_AS(cache.seq_div(0, -1, -1, 2), doctest::Contains("cannot move positions"), kvcache::error);
+    CHECK_THROWS_WITH_AS(cache.seq_div(0, 70, -1, 2), doctest::Contains("no positions below 76"), kvcache::error);
+    unchanged();
+    CHECK_THROWS_AS(cache.seq_add(-1, 75, 90, 1), kvcache::error);
+    unchanged();
+    // (b) lowering the end to 97: the next token's window would start at 97 + 2 - 24 = 75 < 76
+    CHECK_THROWS_WITH_AS(cache.seq_add(0, 90, -1, -2), doctest::Contains("would end at 97"), kvcache::error);
+    unchanged();
+    CHECK_THROWS_WITH_AS(cache.seq_div(0, 80, -1, 2), doctest::Contains("window would start at"), kvcache::error);
     unchanged();
     // middle range reaching below the pruning point (76)
     CHECK_THROWS_WITH_AS(cache.seq_rm(0, 50, 80), doctest::Contains("pruned by the sliding window"), kvcache::error);
     unchanged();
     CHECK_THROWS_AS(cache.seq_rm(-1, 10, 20), kvcache::error);
     unchanged();
-    // truncation whose next window would reach pruned positions: 90 - 24 + 1 = 67 < 76
-    CHECK_THROWS_WITH_AS(cache.seq_rm(0, 90, -1), doctest::Contains("truncating at 90"), kvcache::error);
+    // truncation whose next window would reach pruned positions: 89 + 2 - 24 = 67 < 76
+    CHECK_THROWS_WITH_AS(cache.seq_rm(0, 90, -1), doctest::Contains("truncating at 90 leaves it ending at 89"),
+                         kvcache::error);
     unchanged();
-    // allowed: a middle range inside the window, a truncation with an intact window
+    // allowed: a middle range inside the window, a truncation with an intact window,
+    // moves that keep every later window above the pruning point (up; down by one)
     cache.seq_rm(0, 80, 82);
     model.seq_rm(0, 80, 82);
     cache.seq_rm(0, 99, -1);
     model.seq_rm(0, 99, -1);
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
+    cache.seq_add(0, 90, -1, 5);  // 90..98 -> 95..103
+    model.seq_add(0, 90, -1, 5);
+    cache.seq_add(0, 100, -1, -1);  // ends at 102: 102 + 2 - 24 = 80 >= 76
+    model.seq_add(0, 100, -1, -1);
+    cache.seq_div(0, 101, 103, 1);  // d = 1: nothing moves
+    CHECK(cache.has_shift());
+    CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
+    CHECK(cache.storage().pruned_below(0) == 76);
+    // a truncation that would leave nothing here while a full cache keeps positions below 76
+    const auto moved = kvtest::observe(cache);
+    CHECK_THROWS_WITH_AS(cache.seq_rm(0, 76, -1), doctest::Contains("removes every position held here"),
+                         kvcache::error);
+    CHECK(kvtest::diff(kvtest::observe(cache), moved) == "");
     // seq_cp passes the pruning point on: the copy cannot be truncated into pruned data either
     cache.seq_cp(0, 1, -1, -1);
     model.seq_cp(0, 1, -1, -1);
@@ -138,7 +163,9 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
     model.seq_rm(0, 0, -1);
     CHECK(cache.storage().pruned_below(0) == 0);
     REQUIRE(kvtest::append(cache, model, 0, 0, 5, rng));
-    cache.commit();
+    cache.commit();  // also prunes sequence 1 below 102 - 24 + 1 = 79
+    model.commit();
+    model.prune(W);
     cache.seq_rm(0, 2, 3);
     model.seq_rm(0, 2, 3);
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");

@@ -9,7 +9,7 @@
 //   4      4     format version (1)
 //   8      8     total_size: bytes of the whole state, checksum included
 //   16     4     kind: 0 = whole cache, 1 = one sequence
-//   20     4     flags (0)
+//   20     4     flags: bit 0 = a pruning table follows the cells; other bits 0
 //   24     48    fingerprint: n_layer, n_head_kv, head_dim_k, head_dim_v, element type_id,
 //                element size, rope type, rope n_rot, rope freq_base (f32 bits), rope
 //                freq_scale (f32 bits), layout_id (informational: states load across
@@ -23,6 +23,11 @@
 //                media:   n_media x {u64 id, u32 begin, u32 n_pos}
 //                cells:   n_cells x {i32 pos, i32 shift, u32 n_seq, n_seq x i32 seq id}
 //                         (seq ids strictly increasing; for kind 1 exactly {seq})
+//                pruning: only with flags bit 0: u32 n >= 1, then n x {i32 seq, i32 pruned_below}
+//                         (seq ids strictly increasing, each holding a cell; for kind 1
+//                         exactly {seq}; 1 <= pruned_below <= that sequence's largest
+//                         position + 1): a ring layout's pruning points (layout/ring.hpp),
+//                         written only when some saved sequence has one
 //                data:    for each layer: K then V, for each KV head:
 //                           K: ceil(n_cells/16) tiles of [head_dim_k][16 cells] elements
 //                              (the cache's own K tiling; lanes past n_cells are zero)
@@ -31,6 +36,12 @@
 //
 // Cells appear in the order of their cell index in the saved cache; the K/V of
 // saved cell i is tile i/16, lane i%16 (K) and row i (V).
+//
+// The pruning table came after the first version 1 files: a state without pruning
+// points is byte-identical to those (flags 0) and every version 1 file still loads.
+// A ring loading a state takes its pruning points back (positions below them stay
+// refused as before the save); other layouts hold every cell they are given and
+// ignore the table.
 #pragma once
 
 #include <bit>          // std::endian
@@ -58,6 +69,8 @@ inline constexpr std::uint32_t state_version = 1;
 inline constexpr std::size_t state_header_size = 104;
 /// Bytes of the trailing checksum.
 inline constexpr std::size_t state_checksum_size = 8;
+/// Flags bit: a table of per-sequence pruning points follows the cell records.
+inline constexpr std::uint32_t state_flag_pruning = 1;
 
 /// What a state holds.
 enum class state_kind : std::uint32_t {

@@ -296,11 +296,25 @@ void check_save_args(const char* fn, const Cache& cache, bool one_seq, seq_id_t 
         kvcache::detail::fail(errc::invalid_argument, std::string(fn) + ": tokens/media: " + *bad);
 }
 
+/// (sequence, pruning point) of every saved sequence whose positions below that point a
+/// ring layout pruned (storage hook pruned_below); empty for other layouts.
+template <class Cache>
+std::vector<std::pair<seq_id_t, pos_t>> pruning_entries(const Cache& cache, seq_id_t seq) {
+    std::vector<std::pair<seq_id_t, pos_t>> out;
+    if constexpr (requires { cache.storage().pruned_below(seq); }) {
+        const auto n_seq = static_cast<seq_id_t>(cache.shape().n_seq_max);
+        for (seq_id_t s = seq < 0 ? 0 : seq; s < (seq < 0 ? n_seq : seq + 1); ++s)
+            if (const pos_t w = cache.storage().pruned_below(s); w > 0) out.emplace_back(s, w);
+    }
+    return out;
+}
+
 /// Bytes of the state of `cells` (no overflow possible: a cache that exists fits in memory).
 template <class Cache>
 std::size_t state_bytes(const Cache& cache, std::span<const std::uint32_t> cells, seq_id_t seq,
                         std::size_t n_tokens, std::size_t n_media) {
     std::size_t n = state_header_size + n_tokens * 4 + n_media * 16 + cells.size() * 12;
+    if (const std::size_t np = pruning_entries(cache, seq).size(); np != 0) n += 4 + np * 8;
     for (std::uint32_t c : cells) n += 4 * (seq < 0 ? static_cast<std::size_t>(cache.cells().seqs(c).count()) : 1);
     return n + static_cast<std::size_t>(sizes_for(fingerprint_of(cache), cells.size())->layer) *
                    cache.shape().n_layer + state_checksum_size;
@@ -311,12 +325,13 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
                  std::span<const token_t> tokens, std::span<const media_chunk> media, std::span<std::byte> out) {
     const fingerprint f = fingerprint_of(cache);
     const cell_table& ct = cache.cells();
+    const auto pruning = pruning_entries(cache, seq);
     byte_writer w(out);
     w.put<std::uint32_t>(state_magic);
     w.put<std::uint32_t>(state_version);
     w.put<std::uint64_t>(out.size());
     w.put<std::uint32_t>(static_cast<std::uint32_t>(seq < 0 ? state_kind::whole_cache : state_kind::one_sequence));
-    w.put<std::uint32_t>(0);  // flags
+    w.put<std::uint32_t>(pruning.empty() ? 0u : state_flag_pruning);
     for (std::uint32_t x : {f.n_layer, f.n_head_kv, f.head_dim_k, f.head_dim_v, f.type_id, f.elem_size, f.rope_type,
                             f.n_rot, f.freq_base_bits, f.freq_scale_bits, f.layout_id, f.window})
         w.put<std::uint32_t>(x);
@@ -342,6 +357,13 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
             w.put<std::int32_t>(seq);
         }
     }
+    if (!pruning.empty()) {
+        w.put<std::uint32_t>(static_cast<std::uint32_t>(pruning.size()));
+        for (const auto& [s, p] : pruning) {
+            w.put<std::int32_t>(s);
+            w.put<std::int32_t>(p);
+        }
+    }
     XXH3_state_t hash;
     XXH3_64bits_reset(&hash);
     XXH3_64bits_update(&hash, out.data(), static_cast<std::size_t>(w.pos() - out.data()));
@@ -362,6 +384,7 @@ struct staged_state {
     std::vector<pos_t> pos;         // per saved cell
     std::vector<std::int32_t> shift;
     std::vector<seq_set> seqs;
+    std::vector<std::pair<seq_id_t, pos_t>> pruning;  // (sequence in the cache, pruning point)
     const std::byte* data = nullptr;  // first byte of the K/V section
     std::uint64_t layer_bytes = 0;
 };
@@ -412,7 +435,8 @@ result<staged_state> parse_state(const char* fn, const Cache& cache, std::span<c
     if (kind != static_cast<std::uint32_t>(want))
         return err(errc::unsupported, kind == 0 ? "the bytes hold a whole cache; use load_state"
                                                 : "the bytes hold one sequence; use load_seq");
-    if (flags != 0) return err(errc::unsupported, "flags = " + hex(flags) + ", version 1 defines none");
+    if ((flags & ~state_flag_pruning) != 0)
+        return err(errc::unsupported, "flags = " + hex(flags) + ", version 1 defines only bit 0 (pruning table)");
 
     const fingerprint f = fingerprint_of(cache);
     const char* names[] = {"n_layer", "n_head_kv",  "head_dim_k",      "head_dim_v",       "element type_id",
@@ -534,6 +558,45 @@ result<staged_state> parse_state(const char* fn, const Cache& cache, std::span<c
             prev = s;
         }
     }
+    if ((flags & state_flag_pruning) != 0) {
+        if (!r.has(4)) return err(errc::truncated, "pruning table: count needs 4 bytes, " + std::to_string(r.left()) + " left");
+        const auto n_pruned = r.get<std::uint32_t>();
+        const std::uint32_t max_entries = st.kind == state_kind::whole_cache ? n_seq_max : 1;
+        if (n_pruned == 0 || n_pruned > max_entries)
+            return err(errc::invalid_cell, "pruning table holds " + std::to_string(n_pruned) +
+                                               " sequences, must be in [1, " + std::to_string(max_entries) + "]");
+        if (!r.has(std::uint64_t{n_pruned} * 8))
+            return err(errc::truncated, "pruning table: " + std::to_string(n_pruned) + " entries need " +
+                                            std::to_string(std::uint64_t{n_pruned} * 8) + " bytes, " +
+                                            std::to_string(r.left()) + " left");
+        std::vector<pos_t> top(n_seq_max, -1);  // largest saved position per sequence (in the cache's ids)
+        for (std::size_t i = 0; i < n; ++i) st.seqs[i].for_each([&](seq_id_t s) {
+            top[static_cast<std::size_t>(s)] = std::max(top[static_cast<std::size_t>(s)], st.pos[i]);
+        });
+        seq_id_t prev = -1;
+        for (std::uint32_t k = 0; k < n_pruned; ++k) {
+            const auto s = r.get<std::int32_t>();
+            const auto w = r.get<std::int32_t>();
+            const std::string entry = "pruning table entry " + std::to_string(k) + ": ";
+            if (st.kind == state_kind::one_sequence ? s != st.saved_seq
+                                                    : s < 0 || static_cast<std::uint32_t>(s) >= n_seq_max || s <= prev)
+                return err(errc::invalid_cell, entry + "sequence " + std::to_string(s) +
+                                                   (st.kind == state_kind::one_sequence
+                                                        ? ", a one-sequence state holds only sequence " +
+                                                              std::to_string(st.saved_seq)
+                                                        : " out of [0, " + std::to_string(n_seq_max) +
+                                                              ") or not above the previous entry's"));
+            prev = s;
+            const seq_id_t in_cache = st.kind == state_kind::one_sequence ? dst : s;
+            const pos_t last = top[static_cast<std::size_t>(in_cache)];
+            if (last < 0) return err(errc::invalid_cell, entry + "sequence " + std::to_string(s) + " holds no cell");
+            if (w < 1 || std::int64_t{w} > std::int64_t{last} + 1)
+                return err(errc::invalid_cell, entry + "pruned_below = " + std::to_string(w) + ", must be in [1, " +
+                                                   std::to_string(std::int64_t{last} + 1) +
+                                                   "] (the sequence's largest position + 1)");
+            st.pruning.emplace_back(in_cache, w);
+        }
+    }
     const auto data_bytes = mul_u64(ls->layer, f.n_layer);
     if (!data_bytes || *data_bytes > r.left())
         return err(errc::truncated, "K/V data of " + std::to_string(n_cells) + " cells needs " +
@@ -598,10 +661,29 @@ result<std::vector<std::uint32_t>> pick_cells(Cache& cache, cell_table& ct, cons
     }
 }
 
+/// Pruning points of every sequence of a layout that prunes (ring), else empty.
+template <class Cache>
+std::vector<pos_t> pruning_points(const Cache& cache) {
+    std::vector<pos_t> out;
+    if constexpr (requires { cache.storage().pruned_below(seq_id_t{0}); })
+        for (seq_id_t s = 0; s < static_cast<seq_id_t>(cache.shape().n_seq_max); ++s)
+            out.push_back(cache.storage().pruned_below(s));
+    return out;
+}
+/// Sets the pruning point of sequence `only` (every sequence if only < 0) to points[s]
+/// (indexed by sequence; 0: none) on a layout that prunes.
+template <class Cache>
+void set_pruning_points(Cache& cache, const std::vector<pos_t>& points, seq_id_t only) {
+    if constexpr (requires { cache.storage().set_pruned_below(seq_id_t{0}, pos_t{0}); })
+        for (seq_id_t s = 0; s < static_cast<seq_id_t>(cache.shape().n_seq_max); ++s)
+            if (only < 0 || s == only) cache.storage().set_pruned_below(s, points[static_cast<std::size_t>(s)]);
+}
+
 /// Applies a validated state. Only the layout can still refuse (no free cell it accepts);
-/// then the cell metadata is put back exactly and no K/V byte was written.
+/// then the cell metadata and pruning points are put back exactly and no K/V byte was written.
 template <class Cache>
 result<load_info> commit_state(const char* fn, Cache& cache, staged_state&& st, seq_id_t dst) {
+    const std::vector<pos_t> pruned_before = pruning_points(cache);
     cell_table& ct = cache.cells_for_update(internal_access{});
     // Undo log: every cell the load changes before the layout has accepted the placement.
     std::vector<std::pair<std::uint32_t, cell_table::snapshot>> undo;
@@ -621,6 +703,7 @@ result<load_info> commit_state(const char* fn, Cache& cache, staged_state&& st, 
     if (!picked) {
         if (st.kind == state_kind::whole_cache) ct.clear();
         for (const auto& [c, snap] : undo) ct.load(c, snap);
+        set_pruning_points(cache, pruned_before, -1);
         return make_error(picked.code(), std::string(fn) + ": " + picked.message());
     }
     load_info info;
@@ -629,6 +712,9 @@ result<load_info> commit_state(const char* fn, Cache& cache, staged_state&& st, 
         ct.occupy(info.cells[i], st.pos[i], st.seqs[i]);
         ct.set_shift(info.cells[i], st.shift[i]);
     }
+    std::vector<pos_t> pruned_after(cache.shape().n_seq_max, 0);
+    for (const auto& [s, w] : st.pruning) pruned_after[static_cast<std::size_t>(s)] = w;
+    set_pruning_points(cache, pruned_after, st.kind == state_kind::whole_cache ? -1 : dst);
     if (st.kind == state_kind::whole_cache) cache.reset_head(internal_access{});
     const copy_plan plan = make_copy_plan(info.cells);
     for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l)

@@ -9,12 +9,19 @@
 // Atomicity: placement, commit/restore and sequence operations apply to both caches
 // or to neither. place() validates the arguments, dry-runs the ring placement (it has
 // no side effects), then places in the full cache (which may still refuse) and
-// finally in the ring, which then cannot fail. Sequence operations run first on the
-// cache that may refuse them (the ring for seq_rm / seq_add / seq_div, the full cache
-// for seq_cp), so a refusal leaves both caches unchanged.
+// finally in the ring, which then cannot fail. Sequence operations first check what
+// the ring would refuse (positions its window pruned, see ring.hpp; for seq_add /
+// seq_div also the free cells it needs to split shared cells) without changing it,
+// then run on the full cache (which may still refuse: a position dst already holds,
+// no free cell for a split, positions past 2^31-1), and finally on the ring, which
+// then cannot refuse: a refusal leaves both caches unchanged.
+//
+// seq_add / seq_div record a pending K-shift in both caches: apply_k_shift() rotates
+// the cached K of every layer of both.
 #pragma once
 
 #include <cstdint>  // fixed-width integers
+#include <limits>   // position limits
 #include <span>     // batch inputs
 #include <string>   // messages
 #include <utility>  // std::pair
@@ -22,6 +29,7 @@
 
 #include "../error.hpp"
 #include "../kv_cache.hpp"
+#include "../ops/kshift.hpp"
 #include "ring.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -140,10 +148,13 @@ public:
     }
 
     void seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
-        swa_.seq_rm(s, p0, p1);  // may refuse (positions pruned by the window)
+        swa_.seq_rm(s, p0, p1);  // may refuse (positions pruned by the window); the full cache then cannot
         full_.seq_rm(s, p0, p1);
     }
     void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+        if (valid_seq(src) && valid_seq(dst) && src != dst)
+            if (const auto r = normalized(p0, p1); r.first <= r.second)
+                swa_.storage().check_seq_cp(swa_.cells(), src, dst, r.first, r.second);  // pruned positions
         full_.seq_cp(src, dst, p0, p1);  // may refuse (dst holds a position): the ring holds a subset
         swa_.seq_cp(src, dst, p0, p1);
     }
@@ -151,16 +162,62 @@ public:
         full_.seq_keep(s);
         swa_.seq_keep(s);
     }
-    /// Refused (errc::unsupported): the sliding-window layers cannot move positions.
-    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) { swa_.seq_add(s, p0, p1, delta); }
-    /// Refused (errc::unsupported), as seq_add.
-    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) { swa_.seq_div(s, p0, p1, d); }
+    /// Adds delta to the positions of s (every sequence if s < 0) in [p0, p1) in both caches,
+    /// or in neither (see the file comment; the ring's rules are in ring.hpp).
+    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
+        if (delta != 0) check_ring_move("seq_add", s, p0, p1, [delta](pos_t p) { return std::int64_t{p} + delta; });
+        full_.seq_add(s, p0, p1, delta);
+        swa_.seq_add(s, p0, p1, delta);
+    }
+    /// Integer-divides the positions of s in [p0, p1) by d > 0 in both caches, or in neither.
+    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
+        if (d > 1) check_ring_move("seq_div", s, p0, p1, [d](pos_t p) { return std::int64_t{p} / d; });
+        full_.seq_div(s, p0, p1, d);
+        swa_.seq_div(s, p0, p1, d);
+    }
+    /// Whether either cache has a pending K-shift.
+    [[nodiscard]] bool has_shift() const noexcept { return full_.has_shift() || swa_.has_shift(); }
+    /// Applies the pending K-shifts of both caches (ops::apply_k_shift on each).
+    void apply_k_shift(int n_threads = 0, ops::kernel_path path = ops::kernel_path::simd) {
+        ops::apply_k_shift(full_, n_threads, path);
+        ops::apply_k_shift(swa_, n_threads, path);
+    }
     void clear() {
         full_.clear();
         swa_.clear();
     }
 
 private:
+    bool valid_seq(seq_id_t s) const noexcept {
+        return s >= 0 && static_cast<std::uint32_t>(s) < full_.shape().n_seq_max;
+    }
+    /// [p0, p1) as the caches read it: p0 < 0 means 0, p1 < 0 means the end.
+    static std::pair<std::int64_t, std::int64_t> normalized(pos_t p0, pos_t p1) noexcept {
+        return {p0 < 0 ? 0 : p0, p1 < 0 ? std::int64_t{std::numeric_limits<pos_t>::max()} + 1 : p1};
+    }
+    /// What the ring would refuse in a seq_add / seq_div (new position = f(old)), checked
+    /// before either cache changes. Invalid arguments are left to the full cache, which
+    /// refuses them first with the usual message.
+    template <class F>
+    void check_ring_move(const char* fn, seq_id_t s, pos_t p0, pos_t p1, F f) const {
+        if (full_.in_transaction() || !(s < 0 || valid_seq(s))) return;
+        const auto [lo, hi] = normalized(p0, p1);
+        if (lo > hi) return;
+        swa_.storage().check_seq_shift(swa_.cells(), fn, s, lo, hi, f);
+        if (s < 0) return;  // every sequence moves together: nothing is split
+        const cell_table& cells = swa_.cells();
+        std::uint32_t splits = 0;
+        for (std::uint32_t c : cells.used_cells()) {
+            const pos_t p = cells.pos(c);
+            if (p < lo || p >= hi || !cells.seqs(c).test(s) || cells.seqs(c).count() < 2) continue;
+            splits += f(p) != p && f(p) >= 0;
+        }
+        if (splits > cells.free_count())
+            detail::fail(errc::no_space, std::string(fn) + ": moving sequence " + std::to_string(s) +
+                                             " needs " + std::to_string(splits) + " free cells in the sliding-window "
+                                             "cache to split shared cells, " + std::to_string(cells.free_count()) +
+                                             " free");
+    }
     void write(const char* fn, std::uint32_t l, const iswa_placement& p, const float* rows, bool is_v) {
         const auto [sw, local] = map_.at(check_layer(fn, l));
         if (sw && is_v)

@@ -6,27 +6,64 @@
 // of s lives in cell s * R + p mod R. R must be at least Window + the largest
 // micro-batch per sequence (ring<W>::cells_for() computes n_cells), so that in
 // generation that cell is always free when p is placed. When it is not (positions
-// placed out of order, or cells of a forked sequence still held by the fork), p goes
-// to the next free cell of the region; a batch that finds its region full is refused
-// with no_space.
+// placed out of order, moved by seq_add / seq_div, or cells of other sequences still
+// in the region, see below), p goes to the next free cell of the region.
 //
-// After every commit, cells that fell out of the window of their sequence are
-// pruned (the sequence leaves the cell), so memory stays constant however long
-// generation runs. A token shared by several sequences lives in the region of the
-// lowest one.
+// Pruning. After every commit, cells that fell out of the window of their sequence
+// are pruned (the sequence leaves the cell), so memory stays constant however long
+// generation runs. pruned_below(s) is the sequence's pruning point: positions of s
+// below it may be missing here although a cache that never pruned would hold them.
+// It is raised by every pruning, inherited by seq_cp (see below), saved and loaded
+// with the sequence's state (io/state.hpp), and reset when s loses its last cell.
 //
-// What the layout refuses (errc::unsupported, cache unchanged):
-// - seq_add / seq_div (positions cannot move: can_shift = false);
-// - seq_rm that needs pruned data: removing a range that reaches below the
-//   pruning point while positions above it remain, or truncating a sequence so that
-//   the next position's window would reach pruned positions.
+// Shared tokens. A token of several sequences (seq_cp, multi-sequence placement)
+// lives in the region of its lowest sequence. When that sequence leaves the cell
+// (pruning, seq_rm, seq_keep, its own copy after seq_add) while others still hold it,
+// the cell is "foreign" to its region. So that each region only ever has to hold its
+// own sequence's window, commit() moves every foreign cell (K/V of every layer,
+// position, pending shift, all its holders) to a free cell in the region of its lowest
+// holder, or of the next holder when that one is full (it stays put while all are).
+// Commit is where such a move is safe: a placement could not make it, since restoring
+// a transaction puts cell metadata back but not K/V bytes. Cells the commit itself
+// prunes are checked directly; other foreign cells by scanning only the regions that
+// have some (counted incrementally). Each move copies one cell and inserts it into the
+// cell table's indexes (node allocations: the only ones of commit, and only when a
+// shared cell is left behind). Until the next commit a region with foreign cells has
+// that much less room for a placement (no_space names them).
+//
+// Moving positions (seq_add / seq_div, hence K-shift, context shift and chunk reuse)
+// works like on the contiguous layout (shared cells are split, the moving sequence's
+// copy going to a free cell of its own region when there is one) except where the
+// result could differ from a cache that never pruned. With w = pruned_below(t) > 0
+// for a sequence t the operation moves, it is refused (errc::unsupported, nothing
+// changed) when
+//   (a) the range [p0, p1) reaches below w (p0 < w): a full cache would move positions
+//       that are gone here, or
+//   (b) the operation lowers t's last position to m and the window of the next token,
+//       at m + 1, would start below w: m + 1 - Window + 1 < w (the rule seq_rm applies
+//       to a truncation below). Right after a commit w = last - Window + 1, so on a
+//       sequence that pruned anything this allows lowering the last position by at most
+//       one: a context shift or Self-Extend needs the positions the window dropped.
+// Positions below w are never moved (a), so w stays valid afterwards. Every other move
+// gives the same windows as a cache that never pruned: the positions moved are all
+// present, and the window of every later token starts at or above w (b).
+//
+// What else the layout refuses (errc::unsupported, cache unchanged):
+// - seq_rm that needs pruned data: removing a range that reaches below the pruning
+//   point w while positions above it remain; truncating a sequence at p > 0 so that
+//   it ends at m and the next token's window would reach below w (m + 2 - Window < w,
+//   as (b)), or so that every position held here goes while a full cache would keep
+//   the pruned ones (remove the whole sequence with p0 <= 0 instead);
+// - seq_cp of a range that reaches below src's pruning point w when it would give dst
+//   no cell, or leave dst's next window reaching below w; otherwise dst inherits w.
 // Attention on ring storage must apply the window mask (ops/ attention takes it).
 #pragma once
 
-#include <algorithm>    // std::max
+#include <algorithm>    // std::max, std::min, std::fill
 #include <cstdint>      // fixed-width integers
+#include <iterator>     // std::prev
 #include <memory>       // std::unique_ptr
-#include <set>          // per-sequence cells
+#include <set>          // per-sequence cells, cells taken by a placement
 #include <span>         // batch inputs
 #include <string>       // messages
 #include <string_view>  // name
@@ -41,35 +78,125 @@ KVCACHE_BEGIN_NAMESPACE
 
 namespace detail {
 
-/// Per-sequence cell sets and pruning points of the ring layout, kept in step with
-/// the cell table through cell_observer (heap-allocated: its address survives moves).
+/// Bookkeeping of the ring layout, kept in step with the cell table through
+/// cell_observer (heap-allocated: its address survives moves): per sequence its cells
+/// and pruning point, per cell its number of holders and whether the owner of its
+/// region holds it, per region its occupied and foreign cells.
 class ring_tables final : public cell_observer {
 public:
-    explicit ring_tables(std::uint32_t n_seq_max) : cells_(n_seq_max), pruned_below_(n_seq_max, 0) {}
+    ring_tables(std::uint32_t n_cells, std::uint32_t n_seq, std::uint32_t region)
+        : region_(region),
+          n_seq_(n_seq),
+          cells_(n_seq),
+          pruned_(n_seq, 0),
+          emptied_(n_seq, 0),
+          holders_(n_cells, 0),
+          owner_holds_(n_cells, 0),
+          used_in_(n_seq + 1, 0),
+          foreign_in_(n_seq + 1, 0) {}
 
-    void on_seq_added(std::uint32_t c, seq_id_t s) noexcept override { cells_[idx(s)].insert(c); }
+    void on_seq_added(std::uint32_t c, seq_id_t s) noexcept override {
+        const bool was = foreign(c);
+        cells_[idx(s)].insert(c);
+        if (holders_[c]++ == 0) ++used_in_[owner(c)];
+        if (static_cast<std::uint32_t>(s) == owner(c)) owner_holds_[c] = 1;
+        recount(c, was);
+    }
     void on_seq_removed(std::uint32_t c, seq_id_t s) noexcept override {
+        const bool was = foreign(c);
         auto& set = cells_[idx(s)];
         set.erase(c);
-        if (set.empty()) pruned_below_[idx(s)] = 0;  // an empty sequence starts afresh
+        if (set.empty() && emptied_[idx(s)] == 0) {
+            emptied_[idx(s)] = 1;
+            ++n_emptied_;
+        }
+        if (--holders_[c] == 0) --used_in_[owner(c)];
+        if (static_cast<std::uint32_t>(s) == owner(c)) owner_holds_[c] = 0;
+        recount(c, was);
     }
     void on_cleared() noexcept override {
         for (auto& set : cells_) set.clear();
-        std::fill(pruned_below_.begin(), pruned_below_.end(), 0);
+        std::fill(emptied_.begin(), emptied_.end(), std::uint8_t{1});
+        n_emptied_ = n_seq_;
+        std::fill(holders_.begin(), holders_.end(), 0u);
+        std::fill(owner_holds_.begin(), owner_holds_.end(), std::uint8_t{0});
+        std::fill(used_in_.begin(), used_in_.end(), 0u);
+        std::fill(foreign_in_.begin(), foreign_in_.end(), 0u);
+    }
+
+    /// Resets the pruning point of every sequence that lost its last cell since the last
+    /// call. Deferred to the layout's next hook: a transaction restore empties and refills
+    /// sequences on its way back and must find their pruning points intact.
+    void settle() noexcept {
+        if (n_emptied_ == 0) return;
+        for (std::size_t s = 0; s < n_seq_; ++s) {
+            if (emptied_[s] != 0 && cells_[s].empty()) pruned_[s] = 0;
+            emptied_[s] = 0;
+        }
+        n_emptied_ = 0;
     }
 
     [[nodiscard]] const std::set<std::uint32_t>& cells_of(seq_id_t s) const noexcept { return cells_[idx(s)]; }
-    /// Every position of s below this was pruned (0: nothing pruned).
-    [[nodiscard]] pos_t pruned_below(seq_id_t s) const noexcept { return pruned_below_[idx(s)]; }
-    void raise_pruned_below(seq_id_t s, pos_t p) noexcept {
-        pruned_below_[idx(s)] = std::max(pruned_below_[idx(s)], p);
+    /// Every position of s below this may be missing (0: nothing pruned, or s is empty).
+    [[nodiscard]] pos_t pruned_below(seq_id_t s) const noexcept {
+        return cells_[idx(s)].empty() ? 0 : pruned_[idx(s)];
+    }
+    void raise_pruned_below(seq_id_t s, pos_t p) noexcept { pruned_[idx(s)] = std::max(pruned_[idx(s)], p); }
+    void set_pruned_below(seq_id_t s, pos_t p) noexcept { pruned_[idx(s)] = p; }
+
+    /// Region of cell c: its sequence id, or n_seq for the cells past the last region.
+    [[nodiscard]] std::uint32_t owner(std::uint32_t c) const noexcept { return std::min(c / region_, n_seq_); }
+    /// Occupied cells in region r.
+    [[nodiscard]] std::uint32_t used_in(std::uint32_t r) const noexcept { return used_in_[r]; }
+    /// Occupied cells in region r that its sequence does not hold.
+    [[nodiscard]] std::uint32_t foreign_in(std::uint32_t r) const noexcept { return foreign_in_[r]; }
+
+    /// Empty string when every table matches the cell table, else the first mismatch.
+    [[nodiscard]] std::string check(const cell_table& cells) const {
+        std::vector<std::uint32_t> used(n_seq_ + 1, 0), foreign(n_seq_ + 1, 0);
+        for (std::uint32_t c = 0; c < cells.size(); ++c) {
+            const std::uint32_t r = owner(c);
+            const auto n = static_cast<std::uint32_t>(cells.seqs(c).count());
+            const bool owned = r < n_seq_ && cells.seqs(c).test(static_cast<seq_id_t>(r));
+            if (holders_[c] != n || (owner_holds_[c] != 0) != owned)
+                return "ring: cell " + std::to_string(c) + " has " + std::to_string(n) +
+                       " sequences, the tables say " + std::to_string(holders_[c]);
+            used[r] += n > 0;
+            foreign[r] += n > 0 && !owned;
+        }
+        for (std::uint32_t r = 0; r <= n_seq_; ++r)
+            if (used[r] != used_in_[r] || foreign[r] != foreign_in_[r])
+                return "ring: region " + std::to_string(r) + " holds " + std::to_string(used[r]) + " cells (" +
+                       std::to_string(foreign[r]) + " foreign), the tables say " + std::to_string(used_in_[r]) +
+                       " (" + std::to_string(foreign_in_[r]) + ")";
+        for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_); ++s) {
+            std::set<std::uint32_t> want;
+            for (std::uint32_t c : cells.used_cells())
+                if (cells.seqs(c).test(s)) want.insert(c);
+            if (want != cells_[idx(s)]) return "ring: the cell set of sequence " + std::to_string(s) + " is stale";
+        }
+        return {};
     }
 
 private:
     static std::size_t idx(seq_id_t s) noexcept { return static_cast<std::size_t>(s); }
+    bool foreign(std::uint32_t c) const noexcept { return holders_[c] > 0 && owner_holds_[c] == 0; }
+    void recount(std::uint32_t c, bool was) noexcept {
+        const bool now = foreign(c);
+        if (now && !was) ++foreign_in_[owner(c)];
+        if (was && !now) --foreign_in_[owner(c)];
+    }
 
-    std::vector<std::set<std::uint32_t>> cells_;  // per sequence: the cells it uses
-    std::vector<pos_t> pruned_below_;             // per sequence: pruning point; 0 when empty
+    std::uint32_t region_;                          // cells per region (> 0)
+    std::uint32_t n_seq_;                           // sequence ids are in [0, n_seq_)
+    std::vector<std::set<std::uint32_t>> cells_;    // per sequence: the cells it uses
+    std::vector<pos_t> pruned_;                     // per sequence: pruning point (read through pruned_below)
+    std::vector<std::uint8_t> emptied_;             // per sequence: lost its last cell since the last settle()
+    std::uint32_t n_emptied_ = 0;                   // number of set emptied_ flags
+    std::vector<std::uint32_t> holders_;            // per cell: number of sequences using it
+    std::vector<std::uint8_t> owner_holds_;         // per cell: the sequence of its region uses it
+    std::vector<std::uint32_t> used_in_;            // per region (n_seq + 1: the tail): occupied cells
+    std::vector<std::uint32_t> foreign_in_;         // per region: occupied cells its sequence does not use
 };
 
 }  // namespace detail
@@ -83,7 +210,7 @@ struct ring {
     static constexpr std::string_view name =
         VLayout == v_layout::row_major ? std::string_view("ring") : std::string_view("ring_vt");
     static constexpr std::uint32_t layout_id = VLayout == v_layout::row_major ? 4u : 5u;
-    static constexpr bool can_shift = false;
+    static constexpr bool can_shift = true;
     static constexpr v_layout v_arrangement = VLayout;
     static constexpr std::uint32_t window = Window;
 
@@ -103,20 +230,38 @@ struct ring {
             : base(checked(s)),
               region_(s.n_cells / s.n_seq_max),
               n_seq_(s.n_seq_max),
-              tables_(std::make_unique<detail::ring_tables>(s.n_seq_max)) {
+              tables_(std::make_unique<detail::ring_tables>(s.n_cells, s.n_seq_max, s.n_cells / s.n_seq_max)) {
             scratch_.reserve(s.n_cells);
         }
 
         /// Cells per sequence region (R above).
         [[nodiscard]] std::uint32_t region() const noexcept { return region_; }
-        /// Positions of sequence s below this were pruned (0 when nothing was).
+        /// Positions of sequence s below this may be missing: the window pruned them (0 when
+        /// nothing was, or s holds no cell).
         [[nodiscard]] pos_t pruned_below(seq_id_t s) const { return tables_->pruned_below(checked_seq(s)); }
-        /// Cells held: the region of every sequence that has cells.
+        /// Restores a pruning point saved with a state (io/state.hpp loads call it after
+        /// placing the sequence's cells). Throws invalid_argument for s out of range or w < 0.
+        void set_pruned_below(seq_id_t s, pos_t w) {
+            checked_seq(s);
+            if (w < 0)
+                detail::fail(errc::invalid_argument,
+                             "ring: pruning point " + std::to_string(w) + " of sequence " + std::to_string(s) +
+                                 ", must be >= 0");
+            tables_->settle();
+            tables_->set_pruned_below(s, w);
+        }
+        /// Cells held: the whole region of every sequence whose region has an occupied cell.
         [[nodiscard]] std::uint64_t held_cells(const cell_table&) const noexcept {
             std::uint64_t n = 0;
-            for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_); ++s) n += !tables_->cells_of(s).empty();
+            for (std::uint32_t r = 0; r < n_seq_; ++r) n += tables_->used_in(r) != 0;
             return n * region_;
         }
+        /// Occupied cells of region r (sequence r's) that sequence r does not hold.
+        [[nodiscard]] std::uint32_t foreign_cells(seq_id_t r) const {
+            return tables_->foreign_in(static_cast<std::uint32_t>(checked_seq(r)));
+        }
+        /// Empty string when the layout's tables match the cell table (tests call it).
+        [[nodiscard]] std::string check_invariants(const cell_table& cells) const { return tables_->check(cells); }
 
         // ---- layout hooks used by kv_cache ----
         [[nodiscard]] cell_observer* observer() noexcept { return tables_.get(); }
@@ -125,26 +270,28 @@ struct ring {
         /// next free cell of that region; refused (no_space) when the region is full.
         [[nodiscard]] result<placement_plan> plan_place(const cell_table& cells, std::span<const pos_t> pos,
                                                         std::span<const seq_set> seqs) const {
+            tables_->settle();
             placement_plan plan;
             plan.cells.reserve(pos.size());
             std::set<std::uint32_t> taken;
             for (std::size_t i = 0; i < pos.size(); ++i) {
-                const seq_id_t s0 = detail::lowest_seq(seqs[i]);
-                const std::uint32_t base = static_cast<std::uint32_t>(s0) * region_;
-                const std::uint32_t home = static_cast<std::uint32_t>(pos[i]) % region_;
-                std::uint32_t c = no_cell;
-                for (std::uint32_t k = 0; k < region_ && c == no_cell; ++k) {
-                    const std::uint32_t cand = base + (home + k) % region_;
-                    if (cells.is_free(cand) && taken.count(cand) == 0) c = cand;
-                }
-                if (c == no_cell)
+                const auto s0 = static_cast<std::uint32_t>(detail::lowest_seq(seqs[i]));
+                const std::uint32_t c = free_cell(cells, s0, pos[i], &taken);
+                if (c == no_cell) {
+                    const std::uint32_t base = s0 * region_;
+                    const std::uint32_t foreign = tables_->foreign_in(s0);
                     return detail::make_error(
-                        errc::no_space, "place: ring<" + std::to_string(Window) + ">: the region of sequence " +
-                                            std::to_string(s0) + " (cells [" + std::to_string(base) + ", " +
-                                            std::to_string(base + region_) + ")) has no free cell for position " +
-                                            std::to_string(pos[i]) + "; a micro-batch may hold at most n_cells / "
-                                            "n_seq_max - window = " + std::to_string(region_ - Window) +
-                                            " tokens per sequence (see ring::cells_for)");
+                        errc::no_space,
+                        "place: ring<" + std::to_string(Window) + ">: the region of sequence " + std::to_string(s0) +
+                            " (cells [" + std::to_string(base) + ", " + std::to_string(base + region_) +
+                            ")) has no free cell for position " + std::to_string(pos[i]) +
+                            "; a micro-batch may hold at most n_cells / n_seq_max - window = " +
+                            std::to_string(region_ - Window) + " tokens per sequence (see ring::cells_for)" +
+                            (foreign == 0 ? std::string()
+                                          : "; " + std::to_string(foreign) +
+                                                " of its cells belong to other sequences only and move to their "
+                                                "regions at the next commit"));
+                }
                 taken.insert(c);
                 plan.cells.push_back(c);
             }
@@ -153,6 +300,7 @@ struct ring {
 
         /// Prunes, for every sequence, the cells below its window (max position - Window + 1).
         void on_commit(cell_table& cells) noexcept {
+            tables_->settle();
             for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_); ++s) {
                 if (tables_->cells_of(s).empty()) continue;
                 const pos_t lim = cells.seq_pos_max(s) - static_cast<pos_t>(Window) + 1;
@@ -170,14 +318,19 @@ struct ring {
                         ++direct;
                     }
                 }
-                if (direct != wanted) {  // some live outside their home cell (shared or duplicated): scan
+                if (direct != wanted) {  // some live outside their home cell (shared, moved, duplicated): scan
                     scratch_.clear();
                     for (std::uint32_t c : tables_->cells_of(s))
                         if (cells.pos(c) < lim) scratch_.push_back(c);
                 }
                 for (std::uint32_t c : scratch_) cells.rm_seq(c, s);
                 tables_->raise_pruned_below(s, lim);
+                for (std::uint32_t c : scratch_)  // cells s left that others hold: move them to their regions
+                    if (!cells.is_free(c) && tables_->owner(c) == static_cast<std::uint32_t>(s)) rehome(cells, c);
             }
+            for (std::uint32_t r = 0; r < n_seq_; ++r)  // foreign cells left by sequence operations
+                for (std::uint32_t c = r * region_; tables_->foreign_in(r) != 0 && c < (r + 1) * region_; ++c)
+                    if (!cells.is_free(c) && !cells.seqs(c).test(static_cast<seq_id_t>(r))) rehome(cells, c);
         }
 
         /// Refuses (errc::unsupported) a seq_rm that needs positions the window already dropped.
@@ -189,15 +342,94 @@ struct ring {
             }
             for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t) check_rm_one(cells, t, lo, hi);
         }
-        /// dst inherits src's pruning point when it receives some of src's cells.
+
+        /// Refuses (errc::unsupported) a seq_cp whose range [lo, hi) reaches below src's pruning
+        /// point w when dst would get none of src's cells or a next window reaching below w.
+        void check_seq_cp(const cell_table& cells, seq_id_t src, seq_id_t dst, std::int64_t lo, std::int64_t hi) const {
+            const pos_t w = tables_->pruned_below(src);
+            if (w == 0 || lo >= w || lo >= hi) return;  // every position of the range is here
+            const pos_t top = max_in(cells, src, lo, hi);
+            const std::string head = "seq_cp: the range [" + std::to_string(lo) + ", " + range_end(hi) +
+                                     ") of sequence " + std::to_string(src) + " reaches below its pruning point " +
+                                     std::to_string(w) + " (ring<" + std::to_string(Window) +
+                                     "> dropped those positions); ";
+            if (top < 0)
+                detail::fail(errc::unsupported,
+                             head + "the copy would give sequence " + std::to_string(dst) + " none of them");
+            const pos_t m = std::max(cells.seq_pos_max(dst), top);
+            if (std::int64_t{m} + 2 - Window < w)
+                detail::fail(errc::unsupported, head + "sequence " + std::to_string(dst) + " would end at " +
+                                                    std::to_string(m) + " and its next token's window would need them");
+        }
+        /// check_seq_cp, then dst inherits src's pruning point when the range reaches below it.
         void before_seq_cp(const cell_table& cells, seq_id_t src, seq_id_t dst, std::int64_t lo, std::int64_t hi) {
-            const auto& m = cells.seq_positions(src);
-            auto it = m.lower_bound(static_cast<pos_t>(std::min<std::int64_t>(lo, 0x7fffffff)));
-            if (it != m.end() && it->first < hi) tables_->raise_pruned_below(dst, tables_->pruned_below(src));
+            check_seq_cp(cells, src, dst, lo, hi);
+            tables_->settle();
+            const pos_t w = tables_->pruned_below(src);
+            if (w != 0 && lo < w && lo < hi) tables_->raise_pruned_below(dst, w);
+        }
+
+        /// Refuses (errc::unsupported) a seq_add / seq_div (new position = f(old)) of sequence s
+        /// (every sequence if s < 0) over [lo, hi) that could differ from a cache that never
+        /// pruned: rules (a) and (b) of the file comment.
+        template <class F>
+        void check_seq_shift(const cell_table& cells, const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi,
+                             F f) const {
+            if (lo >= hi) return;
+            if (s >= 0) {
+                check_shift_one(cells, fn, s, lo, hi, f);
+                return;
+            }
+            for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t) check_shift_one(cells, fn, t, lo, hi, f);
+        }
+
+        /// n free cells for the copies of shared cells that sequence s splits off when it
+        /// moves: its own region first, then any free cell (placement moves them home later).
+        /// The cache checked that n cells are free.
+        [[nodiscard]] std::vector<std::uint32_t> split_targets(const cell_table& cells, seq_id_t s, std::uint32_t n) {
+            tables_->settle();
+            std::vector<std::uint32_t> out;
+            out.reserve(n);
+            const std::uint32_t base = static_cast<std::uint32_t>(s) * region_;
+            for (std::uint32_t c = base; c < base + region_ && out.size() < n; ++c)
+                if (cells.is_free(c)) out.push_back(c);
+            for (std::uint32_t c = 0; c < cells.size() && out.size() < n; ++c)
+                if (cells.is_free(c) && (c < base || c >= base + region_)) out.push_back(c);
+            KVCACHE_ASSERT(out.size() == n);
+            return out;
         }
 
     private:
         static constexpr std::uint32_t no_cell = ~std::uint32_t{0};
+
+        /// A free cell of region r for position p (its home cell or the next free one) that
+        /// is not in `taken`, or no_cell.
+        std::uint32_t free_cell(const cell_table& cells, std::uint32_t r, pos_t p,
+                                const std::set<std::uint32_t>* taken) const {
+            const std::uint32_t base = r * region_;
+            const std::uint32_t home = static_cast<std::uint32_t>(p) % region_;
+            for (std::uint32_t k = 0; k < region_; ++k) {
+                const std::uint32_t cand = base + (home + k) % region_;
+                if (cells.is_free(cand) && (taken == nullptr || taken->count(cand) == 0)) return cand;
+            }
+            return no_cell;
+        }
+
+        /// Moves foreign cell f (its region's sequence left it) with all its holders to a free
+        /// cell in the region of one of them, lowest first: K/V of every layer, position and
+        /// pending shift. Stays put when those regions are full.
+        void rehome(cell_table& cells, std::uint32_t f) noexcept {
+            const seq_set holders = cells.seqs(f);
+            std::uint32_t t = no_cell;
+            holders.for_each([&](seq_id_t u) {
+                if (t == no_cell) t = free_cell(cells, static_cast<std::uint32_t>(u), cells.pos(f), nullptr);
+            });
+            if (t == no_cell) return;
+            this->copy_cell(f, t);
+            cells.occupy(t, cells.pos(f), holders);
+            cells.set_shift(t, cells.shift(f));
+            cells.free_cell(f);
+        }
 
         static const model_shape& checked(const model_shape& s) {
             if (s.n_seq_max == 0 || s.n_cells / s.n_seq_max < Window + 1)
@@ -213,26 +445,69 @@ struct ring {
                              "ring: seq_id = " + std::to_string(s) + ", must be in [0, " + std::to_string(n_seq_) + ")");
             return s;
         }
+        static std::string range_end(std::int64_t hi) {
+            return hi > std::int64_t{0x7fffffff} ? std::string("end") : std::to_string(hi);
+        }
+        /// Largest position of s in [lo, hi), or -1.
+        static pos_t max_in(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) {
+            const auto& m = cells.seq_positions(s);
+            auto it = m.lower_bound(static_cast<pos_t>(std::min<std::int64_t>(hi, 0x7fffffff)));
+            if (hi > std::int64_t{0x7fffffff}) it = m.end();
+            if (it == m.begin()) return -1;
+            const pos_t p = std::prev(it)->first;
+            return p >= lo ? p : -1;
+        }
+
         void check_rm_one(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) const {
             const pos_t w = tables_->pruned_below(s);
-            if (w == 0 || tables_->cells_of(s).empty()) return;
+            if (w == 0) return;
             const pos_t mx = cells.seq_pos_max(s);
-            const pos_t mn = cells.seq_pos_min(s);
             const std::string head = "seq_rm: sequence " + std::to_string(s) + " of the ring<" +
                                      std::to_string(Window) + "> layout has no positions below " + std::to_string(w) +
                                      " any more (pruned by the sliding window); ";
-            if (hi > mx) {  // truncation: keeps positions < lo
-                if (lo <= mn) return;  // removes everything
-                if (lo - static_cast<std::int64_t>(Window) + 1 < w)
+            if (hi > mx) {             // truncation: keeps positions < lo
+                if (lo <= 0) return;   // removes the whole sequence, in a full cache too
+                const pos_t m = max_in(cells, s, 0, lo);  // the new last position (-1: none left here)
+                if (std::int64_t{m} + 2 - static_cast<std::int64_t>(Window) < w)
                     detail::fail(errc::unsupported,
-                                 head + "truncating at " + std::to_string(lo) + " needs positions from " +
-                                     std::to_string(lo - static_cast<std::int64_t>(Window) + 1) +
-                                     " for the next token's window; recompute instead");
+                                 head + "truncating at " + std::to_string(lo) +
+                                     (m < 0 ? std::string(" removes every position held here while a full cache "
+                                                          "would keep those below it; remove the whole sequence "
+                                                          "(p0 <= 0) or recompute")
+                                            : " leaves it ending at " + std::to_string(m) +
+                                                  ", and the next token's window would need positions from " +
+                                                  std::to_string(std::int64_t{m} + 2 - static_cast<std::int64_t>(Window)) +
+                                                  "; recompute instead"));
                 return;
             }
             if (lo < w)
                 detail::fail(errc::unsupported, head + "cannot remove the range [" + std::to_string(lo) + ", " +
                                                     std::to_string(hi) + ") that reaches below it");
+        }
+
+        template <class F>
+        void check_shift_one(const cell_table& cells, const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi,
+                             F f) const {
+            const pos_t w = tables_->pruned_below(s);
+            if (w == 0) return;
+            const pos_t top = max_in(cells, s, lo, hi);
+            if (top < 0) return;  // nothing of s in the range: nothing moves
+            const std::string head = std::string(fn) + ": sequence " + std::to_string(s) + " of the ring<" +
+                                     std::to_string(Window) + "> layout has no positions below " + std::to_string(w) +
+                                     " any more (pruned by the sliding window); ";
+            if (lo < w)  // (a)
+                detail::fail(errc::unsupported, head + "cannot move the range [" + std::to_string(lo) + ", " +
+                                                    range_end(hi) + ") that reaches below it");
+            // (b): the new last position is the larger of the unmoved ones and the moved top
+            const pos_t mx = cells.seq_pos_max(s);
+            std::int64_t m = std::max<std::int64_t>(max_in(cells, s, 0, lo), f(top) >= 0 ? f(top) : -1);
+            if (mx >= hi) m = std::max<std::int64_t>(m, mx);
+            if (m < mx && m + 2 - static_cast<std::int64_t>(Window) < w)
+                detail::fail(errc::unsupported,
+                             head + "after moving [" + std::to_string(lo) + ", " + range_end(hi) +
+                                 ") the sequence would end at " + std::to_string(m) +
+                                 " and the next token's window would start at " +
+                                 std::to_string(m + 2 - static_cast<std::int64_t>(Window)) + ", below it");
         }
 
         std::uint32_t region_;  // cells per sequence region: n_cells / n_seq_max >= Window + 1
