@@ -5,6 +5,7 @@
 #include <kvcache/element/bf16.hpp>
 #include <kvcache/element/f16.hpp>
 #include <kvcache/kv_cache.hpp>
+#include <kvcache/ops/attention.hpp>
 
 #include <cstdint>
 #include <random>
@@ -76,6 +77,21 @@ bool append(Cache& cache, layout_model& model, kvcache::seq_id_t s, kvcache::pos
     std::vector<kvcache::seq_set> seqs(n, kvcache::seq_set::of(s));
     for (std::uint32_t i = 0; i < n; ++i) pos[i] = p0 + static_cast<kvcache::pos_t>(i);
     return place_and_write(cache, model, pos, seqs, rng);
+}
+
+/// One decode query of sequence s at position qp over `layer` (q: n_head x dim_k floats),
+/// sliding window `window` (0: none), through kernel `path`; returns n_head x dim_v floats.
+template <class Cache>
+std::vector<float> decode_attention(const Cache& cache, std::uint32_t layer, const std::vector<float>& q,
+                                    kvcache::pos_t qp, kvcache::seq_id_t s, std::uint32_t n_head, std::int32_t window,
+                                    kvcache::ops::kernel_path path, kvcache::ops::attention_workspace& ws) {
+    std::vector<float> out(std::size_t{n_head} * cache.shape().dim_v());
+    kvcache::ops::attention_params ap;
+    ap.n_head = n_head;
+    ap.window = window;
+    ap.path = path;
+    kvcache::ops::attention(cache, layer, q.data(), &qp, &s, 1, ap, out.data(), ws);
+    return out;
 }
 
 }  // namespace kvtest

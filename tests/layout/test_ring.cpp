@@ -77,12 +77,8 @@ TEST_CASE("ring: generation far past the window keeps memory constant and attent
         const pos_t qp = next[s] - 1;
         for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
           for (ops::kernel_path path : {ops::kernel_path::scalar, ops::kernel_path::simd}) {
-            std::vector<float> out(n_head * dv);
-            ops::attention_params ap;
-            ap.n_head = n_head;
-            ap.window = static_cast<std::int32_t>(W);
-            ap.path = path;
-            ops::attention(cache, layer, q.data(), &qp, &s, 1, ap, out.data(), ws);
+            const auto out = kvtest::decode_attention(cache, layer, q, qp, s, n_head, static_cast<std::int32_t>(W),
+                                                      path, ws);
             for (std::uint32_t g = 0; g < n_head; ++g) {
                 const auto ref = kvtest::attention_ref(full.seqs[static_cast<std::size_t>(s)], layer,
                                                        g / (n_head / shape.n_head_kv), dk, dv,

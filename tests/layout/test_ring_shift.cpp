@@ -100,12 +100,7 @@ void check_attention(const ring_cache& c, const ref_seq& ref, seq_id_t s, pos_t 
     for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
         for (auto& x : q) x = u(rng);
         for (ops::kernel_path path : {ops::kernel_path::scalar, ops::kernel_path::simd}) {
-            std::vector<float> out(n_head * dv);
-            ops::attention_params ap;
-            ap.n_head = n_head;
-            ap.window = static_cast<std::int32_t>(W);
-            ap.path = path;
-            ops::attention(c, l, q.data(), &qp, &s, 1, ap, out.data(), ws);
+            const auto out = kvtest::decode_attention(c, l, q, qp, s, n_head, static_cast<std::int32_t>(W), path, ws);
             for (std::uint32_t g = 0; g < n_head; ++g) {
                 const std::uint32_t h = g / group;
                 std::vector<double> logit, acc(dv, 0.0);
