@@ -1,6 +1,7 @@
 // ISWA: a mixed full / sliding-window model's attention per layer equals the float64
-// reference for its layer type; placement and sequence ops are atomic across the two
-// caches. Memory accounting: reserved / used / held bytes per layout.
+// reference for its layer type; placement and sequence ops (seq_add / seq_div too,
+// refused by either cache) are atomic across the two caches. Memory accounting:
+// reserved / used / held bytes per layout.
 #include <doctest/doctest.h>
 
 #include <kvcache/element/f16.hpp>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "layout_test_util.hpp"
+#include "support/cache_snapshot.hpp"
 
 namespace {
 
@@ -179,6 +181,75 @@ TEST_CASE("iswa: placement and sequence ops are atomic across both caches") {
     c.clear();
     CHECK(c.full().used() == 0);
     CHECK(c.swa().used() == 0);
+}
+
+TEST_CASE("iswa: seq_add / seq_div move both caches or neither, whichever refuses; K-shift in both") {
+    std::mt19937 rng(44);
+    iswa_shape sh = mixed_shape(2);
+    sh.shape.n_cells = 40;                     // a small full cache: splits can run out of cells
+    sh.swa_n_cells = ring<W>::cells_for(2, 1);  // ring regions of W + 1 = 17
+    iswa_cache<W> c(sh);
+    kvtest::layout_model model(2);
+    auto both = [&] { return std::make_pair(kvtest::snapshot(c.full()), kvtest::snapshot(c.swa())); };
+    auto refused = [&](auto op, errc code, const char* needle) {
+        const auto before = both();
+        try {
+            op();
+            FAIL("not refused: " << needle);
+        } catch (const kvcache::error& e) {
+            CHECK(e.code() == code);
+            CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
+        }
+        CHECK(both() == before);
+    };
+    // nothing pruned yet: moves apply to both caches and leave a K-shift in both
+    REQUIRE(iswa_append(c, model, 0, 0, 12, rng));
+    c.commit();
+    c.seq_add(0, 6, -1, 2);
+    c.seq_div(0, 0, 4, 2);
+    CHECK(c.full().cells().seq_positions(0) == c.swa().cells().seq_positions(0));
+    CHECK(c.full().has_shift());
+    CHECK(c.swa().has_shift());
+    c.apply_k_shift();
+    CHECK_FALSE(c.has_shift());
+    c.clear();
+    // the ring refuses (its window pruned positions 0..3): the full cache stays unchanged
+    REQUIRE(iswa_append(c, model, 0, 0, 16, rng));
+    c.commit();
+    REQUIRE(iswa_append(c, model, 0, 16, 1, rng));
+    c.commit();
+    REQUIRE(iswa_append(c, model, 0, 17, 1, rng));
+    c.commit();
+    REQUIRE(iswa_append(c, model, 0, 18, 1, rng));
+    c.commit();
+    REQUIRE(c.swa().storage().pruned_below(0) == 3);
+    refused([&] { c.seq_add(0, 2, -1, 1); }, errc::unsupported, "cannot move the range [2, end)");
+    refused([&] { c.seq_add(0, 10, -1, -2); }, errc::unsupported, "would end at 16");
+    refused([&] { c.seq_div(0, -1, -1, 2); }, errc::unsupported, "no positions below 3");
+    // the full cache refuses (no free cell to split 10 shared cells): the ring stays unchanged
+    c.seq_cp(0, 1, -1, -1);
+    REQUIRE(iswa_append(c, model, 1, 19, 16, rng));
+    c.commit();
+    REQUIRE(c.full().capacity() - c.full().used() < 10);
+    refused([&] { c.seq_add(0, 9, -1, 1); }, errc::no_space, "free cells");
+    // the ring refuses (no free cell to split its shared cells) before the full cache moves
+    c.clear();
+    REQUIRE(iswa_append(c, model, 0, 0, 16, rng));
+    c.commit();
+    REQUIRE(iswa_append(c, model, 1, 100, 16, rng));
+    c.commit();
+    c.seq_cp(0, 1, -1, -1);  // 16 shared cells; the ring has 2 free
+    refused([&] { c.seq_add(1, 0, 16, 1); }, errc::no_space, "sliding-window cache");
+    // invalid arguments are refused by the full cache first, with its usual message
+    refused([&] { c.seq_add(5, 0, 16, 1); }, errc::invalid_argument, "seq_id = 5");
+    refused([&] { c.seq_div(0, 0, -1, 0); }, errc::invalid_argument, "d = 0");
+    refused([&] { c.seq_add(0, 9, 3, 1); }, errc::invalid_argument, "reversed range");
+    // and a move both accept
+    c.seq_add(1, 100, -1, 4);
+    CHECK(c.full().seq_pos_max(1) == 119);
+    CHECK(c.swa().seq_pos_max(1) == 119);
+    c.apply_k_shift();
+    CHECK_FALSE(c.has_shift());
 }
 
 TEST_CASE("memory accounting: reserved, used, held and waste per layout") {
