@@ -639,26 +639,41 @@ result<staged_state> parse_state(const char* fn, const Cache& cache, std::span<c
     return st;
 }
 
+/// Where a staged state goes: moves[i] = {from, to} are cells (with every sequence, K/V and
+/// shift) a layout moves out of the way first, then saved cell i goes to cells[i].
+struct picked_cells {
+    std::vector<std::uint32_t> cells;
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> moves;
+};
+
 /// Cells a staged state goes to, chosen on the cell table as it is now (after the
-/// caller removed what the load replaces). Layouts that place cells themselves
-/// (storage hook plan_place) decide; otherwise the lowest free cells, in order.
+/// caller removed what the load replaces). Layouts that place cells themselves decide
+/// (storage hook plan_load, which may move other sequences' cells, else plan_place);
+/// otherwise the lowest free cells, in order.
 template <class Cache>
-result<std::vector<std::uint32_t>> pick_cells(Cache& cache, cell_table& ct, const staged_state& st) {
+result<picked_cells> pick_cells(Cache& cache, cell_table& ct, const staged_state& st) {
     auto& storage = cache.storage();
-    if constexpr (requires { storage.plan_place(ct, std::span<const pos_t>(st.pos), std::span<const seq_set>(st.seqs)); }) {
-        auto plan = storage.plan_place(ct, std::span<const pos_t>(st.pos), std::span<const seq_set>(st.seqs));
+    const std::span<const pos_t> pos(st.pos);
+    const std::span<const seq_set> seqs(st.seqs);
+    picked_cells out;
+    if constexpr (requires { storage.plan_load(ct, pos, seqs); }) {
+        auto plan = storage.plan_load(ct, pos, seqs);
+        if (!plan) return make_error(plan.code(), plan.message());
+        out.cells = std::move(plan.value().cells);
+        for (const auto& m : plan.value().moves) out.moves.emplace_back(m.from, m.to);
+    } else if constexpr (requires { storage.plan_place(ct, pos, seqs); }) {
+        auto plan = storage.plan_place(ct, pos, seqs);
         if (!plan) return make_error(plan.code(), plan.message());
         if (!plan.value().copies.empty())
             return make_error(errc::no_space, "the layout wants to copy shared cells to place the state");
-        return std::move(plan.value().cells);
+        out.cells = std::move(plan.value().cells);
     } else {
-        std::vector<std::uint32_t> out;
-        out.reserve(st.pos.size());
-        for (std::uint32_t c = 0; out.size() < st.pos.size() && c < ct.size(); ++c)
-            if (ct.is_free(c)) out.push_back(c);
-        if (out.size() != st.pos.size()) return make_error(errc::no_space, "not enough free cells");
-        return out;
+        out.cells.reserve(st.pos.size());
+        for (std::uint32_t c = 0; out.cells.size() < st.pos.size() && c < ct.size(); ++c)
+            if (ct.is_free(c)) out.cells.push_back(c);
+        if (out.cells.size() != st.pos.size()) return make_error(errc::no_space, "not enough free cells");
     }
+    return out;
 }
 
 /// Pruning points of every sequence of a layout that prunes (ring), else empty.
@@ -706,8 +721,14 @@ result<load_info> commit_state(const char* fn, Cache& cache, staged_state&& st, 
         set_pruning_points(cache, pruned_before, -1);
         return make_error(picked.code(), std::string(fn) + ": " + picked.message());
     }
+    for (const auto& [from, to] : picked.value().moves) {  // the layout makes room: move whole cells
+        cache.storage().copy_cell(from, to);
+        ct.occupy(to, ct.pos(from), ct.seqs(from));
+        ct.set_shift(to, ct.shift(from));
+        ct.free_cell(from);
+    }
     load_info info;
-    info.cells = std::move(picked.value());
+    info.cells = std::move(picked.value().cells);
     for (std::size_t i = 0; i < info.cells.size(); ++i) {
         ct.occupy(info.cells[i], st.pos[i], st.seqs[i]);
         ct.set_shift(info.cells[i], st.shift[i]);

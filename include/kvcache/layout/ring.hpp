@@ -29,7 +29,9 @@
 // have some (counted incrementally). Each move copies one cell and inserts it into the
 // cell table's indexes (node allocations: the only ones of commit, and only when a
 // shared cell is left behind). Until the next commit a region with foreign cells has
-// that much less room for a placement (no_space names them).
+// that much less room for a placement (no_space names them). Loading a state (io/),
+// which has no transaction, moves the foreign cells of the regions it fills first
+// (plan_load).
 //
 // Moving positions (seq_add / seq_div, hence K-shift, context shift and chunk reuse)
 // works like on the contiguous layout (shared cells are split, the moving sequence's
@@ -201,6 +203,18 @@ private:
 
 }  // namespace detail
 
+/// Where a loaded state goes in a ring (ring::storage::plan_load): first each move (a cell
+/// with all its sequences, K/V and pending shift, from `from` to the free cell `to`), then
+/// saved cell i to cells[i].
+struct load_plan {
+    struct move {
+        std::uint32_t from = 0;
+        std::uint32_t to = 0;
+    };
+    std::vector<std::uint32_t> cells;
+    std::vector<move> moves;
+};
+
 /// Ring-buffer layout policy for sliding-window layers: keeps the last Window positions
 /// of every sequence (F10).
 template <std::uint32_t Window, v_layout VLayout = v_layout::row_major>
@@ -277,21 +291,40 @@ struct ring {
             for (std::size_t i = 0; i < pos.size(); ++i) {
                 const auto s0 = static_cast<std::uint32_t>(detail::lowest_seq(seqs[i]));
                 const std::uint32_t c = free_cell(cells, s0, pos[i], &taken);
-                if (c == no_cell) {
-                    const std::uint32_t base = s0 * region_;
-                    const std::uint32_t foreign = tables_->foreign_in(s0);
-                    return detail::make_error(
-                        errc::no_space,
-                        "place: ring<" + std::to_string(Window) + ">: the region of sequence " + std::to_string(s0) +
-                            " (cells [" + std::to_string(base) + ", " + std::to_string(base + region_) +
-                            ")) has no free cell for position " + std::to_string(pos[i]) +
-                            "; a micro-batch may hold at most n_cells / n_seq_max - window = " +
-                            std::to_string(region_ - Window) + " tokens per sequence (see ring::cells_for)" +
-                            (foreign == 0 ? std::string()
-                                          : "; " + std::to_string(foreign) +
-                                                " of its cells belong to other sequences only and move to their "
-                                                "regions at the next commit"));
-                }
+                if (c == no_cell) return region_full(s0, pos[i]);
+                taken.insert(c);
+                plan.cells.push_back(c);
+            }
+            return plan;
+        }
+
+        /// plan_place for state loading (io/state.hpp), where no transaction can be restored:
+        /// every region the state goes to first moves its foreign cells out, as commit() would
+        /// (moves, applied in order before the tokens: cell `from` with all its holders to the
+        /// free cell `to` in one of their regions). Refused (no_space) when a region stays full.
+        [[nodiscard]] result<load_plan> plan_load(const cell_table& cells, std::span<const pos_t> pos,
+                                                  std::span<const seq_set> seqs) const {
+            tables_->settle();
+            load_plan plan;
+            plan.cells.reserve(pos.size());
+            std::set<std::uint32_t> taken, freed, cleared;  // cleared: regions whose foreign cells moved
+            for (std::size_t i = 0; i < pos.size(); ++i) {
+                const auto s0 = static_cast<std::uint32_t>(detail::lowest_seq(seqs[i]));
+                if (tables_->foreign_in(s0) != 0 && cleared.insert(s0).second)
+                    for (std::uint32_t f = s0 * region_; f < (s0 + 1) * region_; ++f) {
+                        if (cells.is_free(f) || cells.seqs(f).test(static_cast<seq_id_t>(s0))) continue;
+                        std::uint32_t to = no_cell;
+                        cells.seqs(f).for_each([&](seq_id_t u) {
+                            if (to == no_cell)
+                                to = free_cell(cells, static_cast<std::uint32_t>(u), cells.pos(f), &taken, &freed);
+                        });
+                        if (to == no_cell) continue;  // its holders' regions are full: it stays
+                        taken.insert(to);
+                        freed.insert(f);
+                        plan.moves.push_back({f, to});
+                    }
+                const std::uint32_t c = free_cell(cells, s0, pos[i], &taken, &freed);
+                if (c == no_cell) return region_full(s0, pos[i]);
                 taken.insert(c);
                 plan.cells.push_back(c);
             }
@@ -402,15 +435,33 @@ struct ring {
     private:
         static constexpr std::uint32_t no_cell = ~std::uint32_t{0};
 
-        /// A free cell of region r for position p (its home cell or the next free one) that
-        /// is not in `taken`, or no_cell.
-        std::uint32_t free_cell(const cell_table& cells, std::uint32_t r, pos_t p,
-                                const std::set<std::uint32_t>* taken) const {
+        /// The no_space error of a placement that finds region r full.
+        error_info region_full(std::uint32_t r, pos_t p) const {
+            const std::uint32_t base = r * region_;
+            const std::uint32_t foreign = tables_->foreign_in(r);
+            return detail::make_error(
+                errc::no_space,
+                "place: ring<" + std::to_string(Window) + ">: the region of sequence " + std::to_string(r) +
+                    " (cells [" + std::to_string(base) + ", " + std::to_string(base + region_) +
+                    ")) has no free cell for position " + std::to_string(p) +
+                    "; a micro-batch may hold at most n_cells / n_seq_max - window = " +
+                    std::to_string(region_ - Window) + " tokens per sequence (see ring::cells_for)" +
+                    (foreign == 0 ? std::string()
+                                  : "; " + std::to_string(foreign) +
+                                        " of its cells belong to other sequences only and move to their regions at "
+                                        "the next commit"));
+        }
+
+        /// A cell of region r for position p (its home cell or the next one) that is free or
+        /// in `freed`, and not in `taken`; no_cell when there is none.
+        std::uint32_t free_cell(const cell_table& cells, std::uint32_t r, pos_t p, const std::set<std::uint32_t>* taken,
+                                const std::set<std::uint32_t>* freed = nullptr) const {
             const std::uint32_t base = r * region_;
             const std::uint32_t home = static_cast<std::uint32_t>(p) % region_;
             for (std::uint32_t k = 0; k < region_; ++k) {
                 const std::uint32_t cand = base + (home + k) % region_;
-                if (cells.is_free(cand) && (taken == nullptr || taken->count(cand) == 0)) return cand;
+                const bool open = cells.is_free(cand) || (freed != nullptr && freed->count(cand) != 0);
+                if (open && (taken == nullptr || taken->count(cand) == 0)) return cand;
             }
             return no_cell;
         }
