@@ -6,10 +6,12 @@
 // targets), twice: as given, and "resealed" (total_size and the checksum rewritten to
 // match), so that mutations reach the structural checks behind the checksum. After
 // every load:
-//   - refused: the cache must save to exactly the bytes it saved before the load;
+//   - refused: the cache must save to exactly the bytes it saved before the load (for
+//     a ring: its pruning points too, which its baseline has);
 //   - accepted: saving and loading that into a second cache must succeed and give the
-//     same cells (the same bytes where the cache numbers cells itself: contiguous);
-//   - paged: the block tables must still match the cells.
+//     same cells (the same bytes where the cache numbers cells itself: contiguous) and,
+//     for a ring, the same pruning points;
+//   - paged and ring: the layout's tables must still match the cells.
 // Any violation prints what happened and aborts (a libFuzzer crash).
 #pragma once
 
@@ -98,6 +100,37 @@ void fill_baseline(Cache& c) {
     }
 }
 
+/// Ring caches: sequence 0 also generates past the window, so the baseline has a
+/// pruning point (positions below 12 of sequence 0 are gone).
+template <class Cache>
+void prune_baseline(Cache& c) {
+    if constexpr (requires { c.storage().pruned_below(0); }) {
+        std::vector<float> k(c.shape().k_row_size(), 0.25f), v(c.shape().v_row_size(), -0.5f);
+        for (kvcache::pos_t p = c.seq_pos_max(0) + 1; p < 20; ++p) {
+            const kvcache::pos_t pos[1] = {p};
+            const kvcache::seq_id_t seq[1] = {0};
+            auto r = c.place(pos, seq);
+            if (!r) die(Cache::layout::name.data(), "baseline placement failed", r.message());
+            for (std::uint32_t l = 0; l < c.shape().n_layer; ++l) {
+                c.write_k(l, r.value().cells, k.data());
+                c.write_v(l, r.value().cells, v.data());
+            }
+            static_cast<void>(c.commit());
+        }
+        if (c.storage().pruned_below(0) == 0) die(Cache::layout::name.data(), "baseline", "nothing pruned");
+    }
+}
+
+/// Pruning points of every sequence (ring caches; empty for the others).
+template <class Cache>
+std::vector<kvcache::pos_t> pruning_points(const Cache& c) {
+    std::vector<kvcache::pos_t> out;
+    if constexpr (requires { c.storage().pruned_below(0); })
+        for (kvcache::seq_id_t s = 0; s < static_cast<kvcache::seq_id_t>(c.shape().n_seq_max); ++s)
+            out.push_back(c.storage().pruned_below(s));
+    return out;
+}
+
 /// Every used cell as bytes (position, pending shift, sequences, raw K/V of every
 /// layer), sorted: equal for two caches exactly when they hold the same cells.
 template <class Cache>
@@ -133,6 +166,7 @@ struct target {
     explicit target(const kvcache::model_shape& s)
         : cache(std::make_unique<Cache>(s)), twin(std::make_unique<Cache>(s)) {
         fill_baseline(*cache);
+        prune_baseline(*cache);
         baseline = io::save_state(*cache);
         current = baseline;
     }
@@ -163,6 +197,7 @@ struct target {
             // The layout numbers the cells itself, so the cell order (and so the bytes) may
             // differ; the cells must not.
             if (canonical(*twin) != canonical(*cache)) die(name, "save -> load changed the cells", "");
+            if (pruning_points(*twin) != pruning_points(*cache)) die(name, "save -> load changed pruning points", "");
         } else if (io::save_state(*twin) != saved) {
             die(name, "save -> load -> save differs", "");
         }

@@ -1,7 +1,7 @@
 // Writes the seed corpus: valid states of both fuzz shapes (whole cache and one
 // sequence, with and without tokens/media, shared cells, pending shifts, duplicate
-// positions from seq_div). Usage: make_corpus <output dir>. The files in corpus/ were
-// made with it; run it again after a format change.
+// positions from seq_div, a ring's pruning points). Usage: make_corpus <output dir>.
+// The files in corpus/ were made with it; run it again after a format change.
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -55,6 +55,11 @@ int main(int argc, char** argv) {
     kvfuzz::fill_baseline(r);
     write(dir, "ring_whole", kvcache::io::save_state(r));
     write(dir, "ring_seq3", kvcache::io::save_seq(r, 3));
+    // With pruning points (flags bit 0 and the table after the cells) and pending shifts.
+    kvfuzz::prune_baseline(r);
+    r.seq_add(1, 1, -1, 2);
+    write(dir, "ring_pruned_whole", kvcache::io::save_state(r, tokens, media));
+    write(dir, "ring_pruned_seq0", kvcache::io::save_seq(r, 0));
 #endif
     std::printf("make_corpus: wrote %s\n", dir.c_str());
     return 0;
