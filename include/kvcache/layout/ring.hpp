@@ -49,6 +49,8 @@
 // Positions below w are never moved (a), so w stays valid afterwards. Every other move
 // gives the same windows as a cache that never pruned: the positions moved are all
 // present, and the window of every later token starts at or above w (b).
+// ops::context_shift checks its seq_rm and seq_add together first (check_context_shift),
+// so that it is refused whole rather than half-done.
 //
 // What else the layout refuses (errc::unsupported, cache unchanged):
 // - seq_rm that needs pruned data: removing a range that reaches below the pruning
@@ -414,6 +416,28 @@ struct ring {
                 return;
             }
             for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t) check_shift_one(cells, fn, t, lo, hi, f);
+        }
+
+        /// Refuses (errc::unsupported) an ops::context_shift of sequence s (seq_rm of
+        /// [n_keep, n_keep + n_discard), then seq_add of the rest by -n_discard) that this
+        /// layout would refuse half-way: both steps are checked on the positions before either.
+        void check_context_shift(const cell_table& cells, seq_id_t s, pos_t n_keep, pos_t n_discard) const {
+            const pos_t w = tables_->pruned_below(s);
+            if (w == 0) return;
+            const std::int64_t from = std::int64_t{n_keep} + n_discard;
+            check_rm_one(cells, s, n_keep, from);
+            const pos_t top = max_in(cells, s, from, std::int64_t{0x7fffffff} + 1);
+            if (top < 0) return;  // nothing moves
+            const pos_t mx = cells.seq_pos_max(s);
+            const std::int64_t m = std::max<std::int64_t>(max_in(cells, s, 0, n_keep), std::int64_t{top} - n_discard);
+            if (m < mx && m + 2 - static_cast<std::int64_t>(Window) < w)
+                detail::fail(errc::unsupported,
+                             "context_shift: sequence " + std::to_string(s) + " of the ring<" + std::to_string(Window) +
+                                 "> layout has no positions below " + std::to_string(w) +
+                                 " any more (pruned by the sliding window); discarding [" + std::to_string(n_keep) +
+                                 ", " + std::to_string(from) + ") would make it end at " + std::to_string(m) +
+                                 " and the next token's window would start at " +
+                                 std::to_string(m + 2 - static_cast<std::int64_t>(Window)) + ", below it");
         }
 
         /// n free cells for the copies of shared cells that sequence s splits off when it

@@ -68,6 +68,8 @@ context_shift_result context_shift(Cache& cache, seq_id_t seq, pos_t n_keep, std
     if (splits > cache.capacity() - cache.used() + freed)
         detail::fail(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) + " free cells, " +
                                          to_string(cache.capacity() - cache.used() + freed) + " available");
+    if constexpr (requires { cache.storage().check_context_shift(cache.cells(), seq, n_keep, discard); })
+        cache.storage().check_context_shift(cache.cells(), seq, n_keep, discard);  // layout hook: both steps
     cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from));
     cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard);
     return {n_keep, discard, n_past - discard};
