@@ -325,3 +325,22 @@ TEST_CASE("attention: bad arguments throw and write nothing") {
         CHECK(std::string(e.what()).find("out is null") != std::string::npos);
     }
 }
+
+// Many query rows over a cache whose KV head exceeds 512 KiB: the kernel runs 16 slots
+// per item over single tiles (ops::attention's choice); smaller caches above run 8 slots
+// over blocks of two tiles. Both must match the oracle.
+TEST_CASE_TEMPLATE("attention prefill over a long cache matches the oracle", C,
+                   combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::transposed>) {
+    scenario_cfg c;
+    c.n_head_kv = 1;
+    c.dk = 128;
+    c.n_cells = 2100;
+    c.n_seq = 2;
+    c.rounds = 420;  // ~1900 cells in use: n_window x 256 dims x 2 or 4 bytes > 512 KiB
+    kvcache::ops::attention_params p;
+    p.n_threads = 2;
+    check_case<typename C::cache>(c, 4242u, 4, 12, p, 1e-10, C::tol_f32);
+    p.window = 300;
+    p.softcap = 8.0f;
+    check_case<typename C::cache>(c, 4243u, 2, 9, p, 1e-10, C::tol_f32);
+}
