@@ -167,7 +167,9 @@ TEST_CASE("malformed pruning tables are refused with their error code, the cache
     const std::size_t tw = table_offset(whole), t1 = table_offset(one);
     REQUIRE(peek<std::uint32_t>(whole, tw) == 2);  // sequences 0 and 2
     REQUIRE(peek<std::uint32_t>(one, t1) == 1);
-    for (const auto& [b, t, is_whole] : {std::tuple{whole, tw, true}, std::tuple{one, t1, false}}) {
+    for (const bool is_whole : {true, false}) {
+        const auto& b = is_whole ? whole : one;
+        const std::size_t t = is_whole ? tw : t1;
         INFO((is_whole ? "whole" : "one sequence"));
         expect_refused(patched<std::uint32_t>(b, t, 0), is_whole, errc::invalid_cell, "holds 0 sequences");
         expect_refused(patched<std::uint32_t>(b, t, 5), is_whole, errc::invalid_cell, "holds 5 sequences");
