@@ -15,21 +15,18 @@
 // Why it is fast: every K row and V row of a tile is loaded (and converted from f16 /
 // bf16) once for all M slots, so the M query heads of a GQA group (and, in prefill,
 // several query rows) share one read of the KV head; with M = 4 (decode, GQA 4) the
-// kernel does 4 FMAs per loaded vector, with M = 8 or 16 (prefill) 8 or 16, and the
-// accumulators stay in registers. Tiles are processed in blocks of NT (see
-// attn_blocking); online softmax keeps (max, sum) per slot per block, and rescaling of
-// the output accumulator happens only when a slot's max grows by more than a margin.
+// kernel does 4 FMAs per loaded vector, with M = 16 (prefill) 16, and the accumulators
+// stay in registers. Online softmax keeps (max, sum) per slot; rescaling of the output
+// accumulator happens only when a slot's max grows.
 #pragma once
 
 #include <xsimd/xsimd.hpp>
 
-#include <algorithm>  // std::max
 #include <bit>      // std::countr_zero
 #include <cmath>    // std::exp, std::tanh
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
 #include <limits>   // infinity
-#include <utility>  // std::index_sequence
 
 #include "../cells/seq_set.hpp"
 #include "../config.hpp"
@@ -124,41 +121,20 @@ struct attn_shape {
     std::int32_t window = 0;
 };
 
-/// Register blocking of a work item with M slots and blocks of NT tiles (vectors of
-/// L = simd::lanes floats): a block is NT visible tiles (NT x 16 cells, not necessarily
-/// adjacent), scored with M x NT x (16 / L) accumulators over KC independent chains of
-/// dimensions, and accumulated into V with M x VB accumulators of VB vectors each. The
-/// counts keep about 16 accumulators live, so every converted K/V vector feeds M FMAs
-/// and every broadcast query (probability) feeds NT (VB) FMAs.
-///
-/// Why NT is chosen per call (ops/attention.hpp): with NT > 1 a query broadcast is
-/// shared by several tiles, which raises the FMA rate by ~10% when K/V are in L2
-/// (prefill), but NT interleaved K streams halved the DRAM rate of a long decode on
-/// Zen 5 (measured: 12.7 vs 25.8 GB/s on one thread), so decode uses NT = 1.
-template <std::size_t M, std::size_t NT>
-struct attn_blocking {
-    static_assert(NT >= 1 && NT * k_tile <= 64, "attn_blocking: 1 <= NT <= 4");
-    static constexpr std::size_t L = simd::lanes;
-    static constexpr std::size_t B = k_tile / L;  // vectors per 16-cell tile row
-    static constexpr std::size_t KC = M * NT * B >= 16 ? 1 : 16 / (M * NT * B);
-    static constexpr std::size_t VB = M >= 16 ? 1 : M >= 8 ? 2 : 4;
-};
-
-/// Most cells in one block (sizes the kernel's scratch: see attend_item).
-inline constexpr std::uint32_t block_cells = 4 * k_tile;
-
 /// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
-/// Scratch: p_buf M x block_cells floats, vt_buf block_cells x dv floats (transposed V
-/// only), q_buf dk x M floats.
-template <std::size_t M, std::size_t NT, class T>
+/// Scratch: p_buf M x 16 floats, vt_buf 16 x dv floats (transposed V only), q_buf dk x M floats.
+template <std::size_t M, class T>
 void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta& meta, const attn_shape& sh,
                  const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges, attn_state<M>& st,
                  float* p_buf, float* vt_buf, float* q_buf) noexcept {
     using simd::fbatch;
-    using blk = attn_blocking<M, NT>;
-    constexpr std::size_t L = blk::L, B = blk::B, KC = blk::KC, VB = blk::VB;
-    constexpr std::size_t C = NT * k_tile;  // cells per block
-    static_assert(C <= block_cells);
+    constexpr std::size_t L = simd::lanes;
+    constexpr std::size_t B = k_tile / L;  // sub-batches per tile
+    // Independent FMA chains in the score loop: at least 8 (latency x pipes) when M is small.
+    constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
+    // d-blocks of V processed together: M x VB accumulators (16 for M <= 8), so each
+    // converted V vector feeds M x VB FMAs and each broadcast p feeds VB.
+    constexpr std::size_t VB = M >= 16 ? 1 : M == 8 ? 2 : 4;
     const float ninf = -std::numeric_limits<float>::infinity();
     const std::uint32_t dk = sh.dk, dv = sh.dv;
     const bool vt = kv.vl == v_layout::transposed;
@@ -166,198 +142,164 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     for (std::uint32_t d = 0; d < dk; ++d)
         for (std::size_t s = 0; s < M; ++s) q_buf[std::size_t{d} * M + s] = slots[s].active ? slots[s].q[d] * sh.scale : 0.0f;
 
-    // Per-lane partial sums of exp(logit - m): one horizontal add per item, not per block.
-    // (L is a power of two, so st.l / L spread over the lanes of vector 0 sums back exactly.)
+    // Per-lane partial sums of exp(logit - m): one horizontal add per item, not per tile.
+    // (L is a power of two, so st.l / L spread over the lanes of block 0 sums back exactly.)
     fbatch lsum[M][B];
     for (std::size_t s = 0; s < M; ++s)
         for (std::size_t b = 0; b < B; ++b) lsum[s][b] = fbatch(b == 0 ? st.l[s] / static_cast<float>(L) : 0.0f);
 
-    // The block being collected: NT visible tiles (padding repeats the last one, masked out).
-    std::uint32_t tile[NT];
-    std::uint32_t mask[NT][M];  // bit j: cell 16 * tile[i] + j visible to slot s
-    std::uint32_t any[NT];      // union over the slots
-    std::size_t nt = 0;
+    for (std::size_t r = 0; r < n_ranges; ++r) {
+        for (std::uint32_t t = ranges[r].t0; t < ranges[r].t1; ++t) {
+            std::uint32_t mask[M];
+            std::uint32_t any = 0;
+            for (std::size_t s = 0; s < M; ++s) {
+                mask[s] = visible_mask(meta, t, slots[s], sh.window);
+                any |= mask[s];
+            }
+            if (any == 0) continue;
+            if (t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
 
-    // Called with 1 <= nt <= NT tiles collected.
-    auto process = [&] {
-        if constexpr (NT > 1) {
-            const std::uint32_t last = tile[nt > 0 ? nt - 1 : 0];
-            for (std::size_t i = nt; i < NT; ++i) {
-                tile[i] = last;
-                any[i] = 0;
-                for (std::size_t s = 0; s < M; ++s) mask[i][s] = 0;
-            }
-        }
-        // ---- scores: sc[s][i] = q_s . K[:, cells of tile i]
-        const T* kt[NT];
-        for (std::size_t i = 0; i < NT; ++i) kt[i] = kv.k_tile_ptr(h, tile[i]);
-        fbatch sc[M][NT][B];
-        {
-            fbatch part[KC][M][NT][B];
-            for (std::size_t c = 0; c < KC; ++c)
-                for (std::size_t s = 0; s < M; ++s)
-                    for (std::size_t i = 0; i < NT; ++i)
-                        for (std::size_t b = 0; b < B; ++b) part[c][s][i][b] = fbatch(0.0f);
-            auto step = [&](auto c, std::uint32_t d) {
-                fbatch krow[NT][B];
-                for (std::size_t i = 0; i < NT; ++i)
-                    for (std::size_t b = 0; b < B; ++b) krow[i][b] = simd::load(kt[i] + std::size_t{d} * k_tile + b * L);
-                for (std::size_t s = 0; s < M; ++s) {
-                    const fbatch qd(q_buf[std::size_t{d} * M + s]);
-                    for (std::size_t i = 0; i < NT; ++i)
-                        for (std::size_t b = 0; b < B; ++b) part[c][s][i][b] = xsimd::fma(qd, krow[i][b], part[c][s][i][b]);
-                }
-            };
-            // KC consecutive dimensions per iteration, each into its own accumulators
-            // (compile-time indices keep them in registers).
-            std::uint32_t d = 0;
-            for (; d + KC <= dk; d += KC)
-                [&]<std::size_t... Cs>(std::index_sequence<Cs...>) {
-                    (step(std::integral_constant<std::size_t, Cs>{}, d + static_cast<std::uint32_t>(Cs)), ...);
-                }(std::make_index_sequence<KC>{});
-            for (; d < dk; ++d) step(std::integral_constant<std::size_t, 0>{}, d);
-            for (std::size_t s = 0; s < M; ++s)
-                for (std::size_t i = 0; i < NT; ++i)
-                    for (std::size_t b = 0; b < B; ++b) {
-                        fbatch v = part[0][s][i][b];
-                        for (std::size_t c = 1; c < KC; ++c) v += part[c][s][i][b];
-                        sc[s][i][b] = v;
-                    }
-        }
-
-        // ---- online softmax per slot; p_buf[s][16 i + j] = exp(logit - m) (0 where masked)
-        float alpha[M];
-        bool rescale = false;
-        for (std::size_t s = 0; s < M; ++s) {
-            alpha[s] = 1.0f;
-            std::uint32_t seen = 0, full = 1;
-            for (std::size_t i = 0; i < NT; ++i) {
-                seen |= mask[i][s];
-                full &= mask[i][s] == 0xffffu ? 1u : 0u;
-            }
-            if (seen == 0) {
-                for (std::size_t x = 0; x < C; x += L) fbatch(0.0f).store_unaligned(p_buf + s * C + x);
-                continue;
-            }
-            fbatch vmax(ninf);
-            for (std::size_t i = 0; i < NT; ++i)
-                for (std::size_t b = 0; b < B; ++b) {
-                    fbatch x = sc[s][i][b];
-                    if (sh.softcap > 0.0f) x = fbatch(sh.softcap) * xsimd::tanh(x / fbatch(sh.softcap));
-                    if (!full) x = xsimd::select(simd::lane_mask((mask[i][s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
-                    sc[s][i][b] = x;
-                    vmax = xsimd::max(vmax, x);
-                }
-            const float tmax = simd::hmax(vmax);
-            // Lazy max: keep the reference m until a logit exceeds it by more than
-            // rescale_margin, so most blocks skip the rescale; p <= e^8 cannot overflow.
-            const float m_new = st.m[s] == ninf || tmax > st.m[s] + rescale_margin ? tmax : st.m[s];
-            if (m_new != st.m[s]) {
-                alpha[s] = st.m[s] == ninf ? 0.0f : std::exp(st.m[s] - m_new);
-                rescale = true;
-                st.m[s] = m_new;
-                for (std::size_t b = 0; b < B; ++b) lsum[s][b] *= fbatch(alpha[s]);
-            }
-            for (std::size_t i = 0; i < NT; ++i)
-                for (std::size_t b = 0; b < B; ++b) {
-                    fbatch pb = simd::exp_bounded(sc[s][i][b] - fbatch(m_new));
-                    if (!full)
-                        pb = xsimd::select(simd::lane_mask((mask[i][s] >> (b * L)) & ((1u << L) - 1u)), pb, fbatch(0.0f));
-                    pb.store_unaligned(p_buf + s * C + i * k_tile + b * L);
-                    lsum[s][b] += pb;
-                }
-        }
-
-        // ---- V: acc[s] = acc[s] * alpha[s] + sum over visible cells c of p[s][c] * V[c]
-        const T* vrow[NT];  // row-major V of tile i (cell j at vrow[i] + j * dv)
-        if (!vt) {
-            for (std::size_t i = 0; i < NT; ++i) vrow[i] = kv.v + h * kv.v_head_stride + std::size_t{tile[i]} * k_tile * dv;
-        } else {
-            // Transposed V: gather the visible cells' rows into row-major scratch.
-            for (std::size_t i = 0; i < NT; ++i)
-                for (std::uint32_t bits = any[i]; bits != 0; bits &= bits - 1) {
-                    const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                    simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{tile[i]} * k_tile + j, kv.n_cells_pad,
-                                    vt_buf + (i * k_tile + j) * dv, dv);
-                }
-        }
-        auto accumulate = [&](auto src_of) {
-            // Visits every visible cell of the block: f(row pointer, column of p_buf).
-            auto for_cells = [&](auto&& f) {
-                for (std::size_t i = 0; i < NT; ++i) {
-                    const auto* src = src_of(i);
-                    if (any[i] == 0xffffu) {
-                        for (std::uint32_t j = 0; j < k_tile; ++j) f(src + std::size_t{j} * dv, i * k_tile + j);
-                    } else {
-                        for (std::uint32_t bits = any[i]; bits != 0; bits &= bits - 1) {
-                            const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                            f(src + std::size_t{j} * dv, i * k_tile + j);
+            // ---- scores: sc[s] = q_s . K[:, cells of the tile]
+            const T* kt = kv.k_tile_ptr(h, t);
+            fbatch sc[M][B];
+            {
+                fbatch part[KC][M][B];
+                for (std::size_t c = 0; c < KC; ++c)
+                    for (std::size_t s = 0; s < M; ++s)
+                        for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
+                std::uint32_t d = 0;
+                for (; d + KC <= dk; d += KC) {
+                    for (std::size_t c = 0; c < KC; ++c) {
+                        fbatch krow[B];
+                        for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
+                        for (std::size_t s = 0; s < M; ++s) {
+                            const fbatch qd(q_buf[std::size_t{d + c} * M + s]);
+                            for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
                         }
                     }
                 }
-            };
-            std::uint32_t d = 0;
-            for (; d + VB * L <= dv; d += VB * L) {
-                fbatch a[M][VB];
-                for (std::size_t s = 0; s < M; ++s)
-                    for (std::size_t v = 0; v < VB; ++v) {
-                        a[s][v] = fbatch::load_unaligned(st.acc + s * dv + d + v * L);
-                        if (rescale) a[s][v] *= fbatch(alpha[s]);
-                    }
-                for_cells([&](const auto* row, std::size_t col) {
-                    fbatch vr[VB];
-                    for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(row + d + v * L);
+                for (; d < dk; ++d) {
+                    fbatch krow[B];
+                    for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
                     for (std::size_t s = 0; s < M; ++s) {
-                        const fbatch pj(p_buf[s * C + col]);
-                        for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
+                        const fbatch qd(q_buf[std::size_t{d} * M + s]);
+                        for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
                     }
-                });
+                }
                 for (std::size_t s = 0; s < M; ++s)
-                    for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st.acc + s * dv + d + v * L);
+                    for (std::size_t b = 0; b < B; ++b) {
+                        fbatch v = part[0][s][b];
+                        for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
+                        sc[s][b] = v;
+                    }
             }
-            for (; d + L <= dv; d += L) {
-                fbatch a[M];
-                for (std::size_t s = 0; s < M; ++s) {
-                    a[s] = fbatch::load_unaligned(st.acc + s * dv + d);
-                    if (rescale) a[s] *= fbatch(alpha[s]);
-                }
-                for_cells([&](const auto* row, std::size_t col) {
-                    const fbatch vr = simd::load(row + d);
-                    for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * C + col]), vr, a[s]);
-                });
-                for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
-            }
-            for (; d < dv; ++d) {
-                for (std::size_t s = 0; s < M; ++s) {
-                    float a = st.acc[s * dv + d];
-                    if (rescale) a *= alpha[s];
-                    for_cells([&](const auto* row, std::size_t col) { a += p_buf[s * C + col] * simd::to_float(row[d]); });
-                    st.acc[s * dv + d] = a;
-                }
-            }
-        };
-        if (!vt)
-            accumulate([&](std::size_t i) { return vrow[i]; });
-        else
-            accumulate([&](std::size_t i) { return static_cast<const float*>(vt_buf + i * k_tile * dv); });
-        nt = 0;
-    };
 
-    for (std::size_t r = 0; r < n_ranges; ++r) {
-        for (std::uint32_t t = ranges[r].t0; t < ranges[r].t1; ++t) {
-            std::uint32_t u = 0;
+            // ---- online softmax per slot; p_buf[s][j] = exp(logit - m) (0 where masked)
+            float alpha[M];
+            bool rescale = false;
             for (std::size_t s = 0; s < M; ++s) {
-                mask[nt][s] = visible_mask(meta, t, slots[s], sh.window);
-                u |= mask[nt][s];
+                alpha[s] = 1.0f;
+                if (mask[s] == 0) {
+                    for (std::size_t b = 0; b < B; ++b) fbatch(0.0f).store_unaligned(p_buf + s * k_tile + b * L);
+                    continue;
+                }
+                float tmax = ninf;
+                for (std::size_t b = 0; b < B; ++b) {
+                    fbatch x = sc[s][b];
+                    if (sh.softcap > 0.0f) x = fbatch(sh.softcap) * xsimd::tanh(x / fbatch(sh.softcap));
+                    x = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
+                    sc[s][b] = x;
+                    const float mb = simd::hmax(x);
+                    tmax = mb > tmax ? mb : tmax;
+                }
+                // Lazy max: keep the reference m until a logit exceeds it by more than
+                // rescale_margin, so most tiles skip the rescale; p <= e^8 cannot overflow.
+                const float m_new = st.m[s] == ninf || tmax > st.m[s] + rescale_margin ? tmax : st.m[s];
+                if (m_new != st.m[s]) {
+                    alpha[s] = st.m[s] == ninf ? 0.0f : std::exp(st.m[s] - m_new);
+                    rescale = true;
+                    st.m[s] = m_new;
+                }
+                const bool partial = mask[s] != 0xffffu;
+                for (std::size_t b = 0; b < B; ++b) {
+                    fbatch pb = simd::exp_bounded(sc[s][b] - fbatch(m_new));
+                    if (partial)
+                        pb = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), pb, fbatch(0.0f));
+                    pb.store_unaligned(p_buf + s * k_tile + b * L);
+                    lsum[s][b] = xsimd::fma(lsum[s][b], fbatch(alpha[s]), pb);
+                }
             }
-            if (u == 0) continue;
-            if (t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
-            tile[nt] = t;
-            any[nt] = u;
-            if (++nt == NT) process();
+
+            // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j]
+            const T* vsrc = nullptr;
+            std::size_t vstride = dv;
+            if (!vt) {
+                vsrc = kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile * dv;
+            } else {
+                // Transposed V: gather the visible cells' rows into row-major scratch.
+                for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+                    const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                    simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile + j, kv.n_cells_pad,
+                                    vt_buf + std::size_t{j} * dv, dv);
+                }
+            }
+            auto accumulate = [&](auto* src) {
+                std::uint32_t d = 0;
+                for (; d + VB * L <= dv; d += VB * L) {
+                    fbatch a[M][VB];
+                    for (std::size_t s = 0; s < M; ++s)
+                        for (std::size_t v = 0; v < VB; ++v) {
+                            a[s][v] = fbatch::load_unaligned(st.acc + s * dv + d + v * L);
+                            if (rescale) a[s][v] *= fbatch(alpha[s]);
+                        }
+                    auto cell = [&](std::uint32_t j) {
+                        fbatch vr[VB];
+                        for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + j * vstride + d + v * L);
+                        for (std::size_t s = 0; s < M; ++s) {
+                            const fbatch pj(p_buf[s * k_tile + j]);
+                            for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
+                        }
+                    };
+                    if (any == 0xffffu) {
+                        for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
+                    } else {
+                        for (std::uint32_t bits = any; bits != 0; bits &= bits - 1)
+                            cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
+                    }
+                    for (std::size_t s = 0; s < M; ++s)
+                        for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st.acc + s * dv + d + v * L);
+                }
+                for (; d + L <= dv; d += L) {
+                    fbatch a[M];
+                    for (std::size_t s = 0; s < M; ++s) {
+                        a[s] = fbatch::load_unaligned(st.acc + s * dv + d);
+                        if (rescale) a[s] *= fbatch(alpha[s]);
+                    }
+                    for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+                        const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                        const fbatch vr = simd::load(src + j * vstride + d);
+                        for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * k_tile + j]), vr, a[s]);
+                    }
+                    for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
+                }
+                for (; d < dv; ++d) {
+                    for (std::size_t s = 0; s < M; ++s) {
+                        float a = st.acc[s * dv + d];
+                        if (rescale) a *= alpha[s];
+                        for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+                            const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                            a += p_buf[s * k_tile + j] * simd::to_float(src[j * vstride + d]);
+                        }
+                        st.acc[s * dv + d] = a;
+                    }
+                }
+            };
+            if (!vt)
+                accumulate(vsrc);
+            else
+                accumulate(static_cast<const float*>(vt_buf));
         }
     }
-    if (nt > 0) process();
     for (std::size_t s = 0; s < M; ++s) {
         fbatch v = lsum[s][0];
         for (std::size_t b = 1; b < B; ++b) v += lsum[s][b];

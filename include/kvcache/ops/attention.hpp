@@ -170,7 +170,7 @@ inline void build_tile_meta(const cell_table& cells, std::uint32_t n, kernels::t
     for (std::int64_t t = 0; t < n_tiles; ++t) summarise(t);
 }
 
-template <std::size_t M, std::size_t NT, class T>
+template <std::size_t M, class T>
 void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta, const kernels::attn_shape& sh,
                const kernels::attn_slot* slots, std::size_t slots_per_head, std::uint32_t n_head_kv,
                const kernels::tile_range* split_ranges, const std::size_t* split_first, std::size_t n_split,
@@ -186,8 +186,8 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
     auto run_item = [&](std::int64_t it, int tid) {
         float* acc = scratch + static_cast<std::size_t>(tid) * scratch_per_thread;
         float* p_buf = acc + M * dv;
-        float* vt_buf = p_buf + M * kernels::block_cells;
-        float* q_buf = vt_buf + std::size_t{kernels::block_cells} * dv;
+        float* vt_buf = p_buf + M * k_tile;
+        float* q_buf = vt_buf + std::size_t{k_tile} * dv;
         const auto item = static_cast<std::size_t>(it);
         const std::size_t k = item % n_split;
         const std::size_t hg = item / n_split;
@@ -201,7 +201,7 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
             st.l[s] = 0.0f;
         }
         std::fill(acc, acc + M * dv, 0.0f);
-        kernels::attend_item<M, NT, T>(kv, h, meta, sh, sl, split_ranges + split_first[k], split_first[k + 1] - split_first[k],
+        kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k], split_first[k + 1] - split_first[k],
                                    st, p_buf, vt_buf, q_buf);
         if (n_split == 1) {
             for (std::size_t s = 0; s < M; ++s) {
@@ -317,13 +317,7 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
 
     // Slots: per KV head, row-major over (row, head of the group), padded to a multiple of M.
     const std::size_t want = std::size_t{n_q} * group;
-    // Slots per item M and tiles per block NT (kernels::attn_blocking): 16 slots share
-    // each K/V read in a long prefill; when one KV head's visited K and V fit in L2
-    // (<= 512 KiB), 8 slots over blocks of 2 tiles run ~8% faster (fewer broadcasts per
-    // FMA, re-reads hit L2). Decode keeps NT = 1 (DRAM-friendly single stream).
-    const std::size_t kv_head_bytes = std::size_t{n_tiles} * k_tile * (dk + dv) * sizeof(T);
-    const bool blocked = want >= 16 && kv_head_bytes <= (std::size_t{512} << 10);
-    const std::size_t M = blocked ? 8 : want >= 16 ? 16 : want >= 8 ? 8 : want >= 4 ? 4 : want >= 2 ? 2 : 1;
+    const std::size_t M = want >= 16 ? 16 : want >= 8 ? 8 : want >= 4 ? 4 : want >= 2 ? 2 : 1;
     const std::size_t per_head = (want + M - 1) / M * M;
     ws.slots_.assign(per_head * hkv, kernels::attn_slot{});
     std::vector<float*>& out_rows = ws.out_rows_;
@@ -384,30 +378,25 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
             ws.split_first_.push_back(ws.split_ranges_.size());
         }
     }
-    const std::size_t per_thread = M * dv + M * kernels::block_cells + std::size_t{kernels::block_cells} * dv + M * dk + 16;
+    const std::size_t per_thread = M * dv + M * k_tile + std::size_t{k_tile} * dv + M * dk + 16;
     if (ws.scratch_.size() < per_thread * static_cast<std::size_t>(threads))
         ws.scratch_.resize(per_thread * static_cast<std::size_t>(threads));
     if (n_split > 1 && ws.partial_.size() < base_items * n_split * M * (dv + 2))
         ws.partial_.resize(base_items * n_split * M * (dv + 2));
 
     const kv_layer_view<const T> kv = cache.storage().view(layer);
-    auto run = [&](auto m_tag, auto nt_tag) {
-        constexpr std::size_t MM = decltype(m_tag)::value, NT = decltype(nt_tag)::value;
-        detail_attn::run_items<MM, NT, T>(kv, meta, sh, ws.slots_.data(), per_head, hkv, ws.split_ranges_.data(),
-                                          ws.split_first_.data(), n_split, ws.scratch_.data(), per_thread,
-                                          ws.partial_.data(), out_rows.data(), threads);
+    auto run = [&](auto m_tag) {
+        constexpr std::size_t MM = decltype(m_tag)::value;
+        detail_attn::run_items<MM, T>(kv, meta, sh, ws.slots_.data(), per_head, hkv, ws.split_ranges_.data(),
+                                      ws.split_first_.data(), n_split, ws.scratch_.data(), per_thread,
+                                      ws.partial_.data(), out_rows.data(), threads);
     };
-    using one = std::integral_constant<std::size_t, 1>;
-    if (blocked) {
-        run(std::integral_constant<std::size_t, 8>{}, std::integral_constant<std::size_t, 2>{});
-        return;
-    }
     switch (M) {
-        case 1: run(std::integral_constant<std::size_t, 1>{}, one{}); break;
-        case 2: run(std::integral_constant<std::size_t, 2>{}, one{}); break;
-        case 4: run(std::integral_constant<std::size_t, 4>{}, one{}); break;
-        case 8: run(std::integral_constant<std::size_t, 8>{}, one{}); break;
-        default: run(std::integral_constant<std::size_t, 16>{}, one{}); break;
+        case 1: run(std::integral_constant<std::size_t, 1>{}); break;
+        case 2: run(std::integral_constant<std::size_t, 2>{}); break;
+        case 4: run(std::integral_constant<std::size_t, 4>{}); break;
+        case 8: run(std::integral_constant<std::size_t, 8>{}); break;
+        default: run(std::integral_constant<std::size_t, 16>{}); break;
     }
 }
 
