@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>      // std::max
+#include <concepts>       // std::default_initializable
 #include <cstddef>        // std::size_t
 #include <cstdint>        // fixed-width integers
 #include <optional>       // lookup result
@@ -105,8 +106,12 @@ public:
         std::uint64_t hits = 0;  ///< hits of the entry so far, this one included (pass back in entry_options)
     };
 
-    explicit prompt_cache(prompt_cache_limits limits = {}, Store store = Store{})
-        : limits_(limits), store_(std::move(store)) {}
+    /// Two constructors rather than a default Store argument: a store that cannot be default
+    /// constructed (shared_store) must not make std::is_constructible<prompt_cache> ill-formed.
+    explicit prompt_cache(prompt_cache_limits limits = {})
+        requires std::default_initializable<Store>
+        : limits_(limits), store_() {}
+    explicit prompt_cache(prompt_cache_limits limits, Store store) : limits_(limits), store_(std::move(store)) {}
     prompt_cache(const prompt_cache&) = delete;
     prompt_cache& operator=(const prompt_cache&) = delete;
 
