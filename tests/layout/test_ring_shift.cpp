@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "layout_test_util.hpp"
-#include "reference/rope_ref.hpp"
+#include "roped_reference.hpp"
 #include "support/cache_snapshot.hpp"
 
 namespace {
@@ -40,93 +40,17 @@ model_shape roped_shape(std::uint32_t n_seq, std::uint32_t max_ubatch) {
     return s;
 }
 
-/// A token of the reference: K before RoPE and V, per layer (n_head_kv x dim floats).
-struct token {
-    std::vector<std::vector<float>> k0, v;
-};
-/// One sequence of the reference: current position -> token (never pruned).
-using ref_seq = std::multimap<pos_t, token>;
+using ref_seq = kvtest::roped_seq;
 
-/// Places positions [p0, p0 + n) of sequence s with random K (RoPE at the position) and V
-/// in the cache and the reference, then commits. Returns whether the cache accepted them.
 bool put(ring_cache& c, std::vector<ref_seq>& ref, seq_id_t s, pos_t p0, std::uint32_t n, std::mt19937& rng) {
-    const auto& sh = c.shape();
-    std::vector<pos_t> pos(n);
-    std::vector<seq_id_t> seq(n, s);
-    for (std::uint32_t i = 0; i < n; ++i) pos[i] = p0 + static_cast<pos_t>(i);
-    auto r = c.place(pos, seq);
-    if (!r) return false;
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    std::vector<token> toks(n);
-    for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
-        std::vector<float> k(n * sh.k_row_size()), v(n * sh.v_row_size());
-        for (auto& x : k) x = u(rng);
-        for (auto& x : v) x = u(rng);
-        for (std::uint32_t i = 0; i < n; ++i) {
-            toks[i].k0.emplace_back(k.begin() + i * sh.k_row_size(), k.begin() + (i + 1) * sh.k_row_size());
-            toks[i].v.emplace_back(v.begin() + i * sh.v_row_size(), v.begin() + (i + 1) * sh.v_row_size());
-        }
-        ops::rope_rows(k.data(), n, sh.n_head_kv, sh.dim_k(), pos.data(), sh.rope);
-        c.write_k(l, r.value().cells, k.data());
-        c.write_v(l, r.value().cells, v.data());
-    }
-    c.commit();
-    for (std::uint32_t i = 0; i < n; ++i) ref[static_cast<std::size_t>(s)].emplace(pos[i], toks[i]);
-    return true;
+    return kvtest::put_roped(c, ref, s, p0, n, rng);
 }
-
-/// The reference side of seq_add / seq_div on [p0, p1) (p1 < 0: to the end).
 template <class F>
 void move(ref_seq& m, pos_t p0, pos_t p1, F f) {
-    ref_seq out;
-    for (auto& [p, t] : m) {
-        const bool in = p >= std::max(p0, 0) && (p1 < 0 || p < p1);
-        const std::int64_t np = in ? f(p) : p;
-        if (np >= 0) out.emplace(static_cast<pos_t>(np), t);
-    }
-    m = std::move(out);
+    kvtest::ref_move(m, p0, p1, f);
 }
-
-/// Decode-style attention of sequence s at query position qp, every layer, both kernel
-/// paths: the cache (window W) against float64 attention over the reference tokens with
-/// positions in (qp - W, qp], K rotated to their current positions.
 void check_attention(const ring_cache& c, const ref_seq& ref, seq_id_t s, pos_t qp, std::mt19937& rng) {
-    REQUIRE_FALSE(c.has_shift());
-    const auto& sh = c.shape();
-    const std::uint32_t n_head = 2 * sh.n_head_kv, dk = sh.dim_k(), dv = sh.dim_v(), group = n_head / sh.n_head_kv;
-    std::vector<float> q(n_head * dk);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    ops::attention_workspace ws;
-    for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
-        for (auto& x : q) x = u(rng);
-        for (ops::kernel_path path : {ops::kernel_path::scalar, ops::kernel_path::simd}) {
-            const auto out = kvtest::decode_attention(c, l, q, qp, s, n_head, static_cast<std::int32_t>(W), path, ws);
-            for (std::uint32_t g = 0; g < n_head; ++g) {
-                const std::uint32_t h = g / group;
-                std::vector<double> logit, acc(dv, 0.0);
-                std::vector<const token*> seen;
-                double mx = -1e300;
-                for (const auto& [p, t] : ref) {
-                    if (p > qp || std::int64_t{p} <= std::int64_t{qp} - W) continue;
-                    const std::vector<double> k0(t.k0[l].begin() + h * dk, t.k0[l].begin() + (h + 1) * dk);
-                    const auto k = ref::rope_head(k0, p, sh.rope);
-                    double dot = 0;
-                    for (std::uint32_t d = 0; d < dk; ++d) dot += double{q[g * dk + d]} * k[d];
-                    logit.push_back(dot / std::sqrt(double(dk)));
-                    mx = std::max(mx, logit.back());
-                    seen.push_back(&t);
-                }
-                REQUIRE_FALSE(seen.empty());
-                double den = 0;
-                for (std::size_t i = 0; i < seen.size(); ++i) {
-                    const double e = std::exp(logit[i] - mx);
-                    den += e;
-                    for (std::uint32_t d = 0; d < dv; ++d) acc[d] += e * seen[i]->v[l][h * dv + d];
-                }
-                for (std::uint32_t d = 0; d < dv; ++d) REQUIRE(std::abs(out[g * dv + d] - acc[d] / den) < 2e-5);
-            }
-        }
-    }
+    kvtest::check_roped_attention(c, ref, s, qp, rng, W);
 }
 
 /// Cells of sequence s, and how many of them lie in region r.

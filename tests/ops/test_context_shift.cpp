@@ -9,6 +9,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "support/cache_snapshot.hpp"
@@ -133,7 +134,9 @@ TEST_CASE("context_shift refuses invalid n_keep / n_discard and changes nothing"
 }
 
 TEST_CASE("self_extend positions follow the seed's loop; K equals RoPE at the new positions (F14)") {
-    for (auto [ga_n, ga_w, n_past] : {std::tuple{4, 16, 70}, std::tuple{2, 8, 40}, std::tuple{8, 32, 130}}) {
+    for (const auto& cfg : {std::tuple{4, 16, 70}, std::tuple{2, 8, 40}, std::tuple{8, 32, 130}}) {
+        // named variables, not structured bindings: clang 14 cannot capture those (CAPTURE)
+        const int ga_n = std::get<0>(cfg), ga_w = std::get<1>(cfg), n_past = std::get<2>(cfg);
         CAPTURE(ga_n);
         CAPTURE(ga_w);
         kvcache::kv_cache<> c(shape_for(160));

@@ -50,7 +50,10 @@
 // gives the same windows as a cache that never pruned: the positions moved are all
 // present, and the window of every later token starts at or above w (b).
 // ops::context_shift checks its seq_rm and seq_add together first (check_context_shift),
-// so that it is refused whole rather than half-done.
+// so that it is refused whole rather than half-done; reuse::apply_plan (chunk reuse) and
+// ops::self_extend do the same for their lists of seq_rm / seq_add / seq_div calls
+// (check_seq_steps: each call is checked by these rules against the positions the calls
+// before it leave, simulated on a copy of the sequence's positions).
 //
 // What else the layout refuses (errc::unsupported, cache unchanged):
 // - seq_rm that needs pruned data: removing a range that reaches below the pruning
@@ -66,17 +69,20 @@
 #include <algorithm>    // std::max, std::min, std::fill
 #include <cstdint>      // fixed-width integers
 #include <iterator>     // std::prev
+#include <map>          // simulated positions of check_seq_steps
 #include <memory>       // std::unique_ptr
 #include <set>          // per-sequence cells, cells taken by a placement
 #include <span>         // batch inputs
 #include <string>       // messages
 #include <string_view>  // name
+#include <utility>      // std::pair
 #include <vector>       // tables
 
 #include "../cells/cell_table.hpp"
 #include "../concepts.hpp"
 #include "../error.hpp"
 #include "kv_storage.hpp"
+#include "seq_step.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 
@@ -266,11 +272,13 @@ struct ring {
             tables_->settle();
             tables_->set_pruned_below(s, w);
         }
-        /// Cells held: the whole region of every sequence whose region has an occupied cell.
+        /// Cells held: the whole region of every region that holds a cell, plus the occupied
+        /// cells past the last region (when n_cells is not a multiple of n_seq_max, split copies
+        /// land there once every region is full), so that held >= used.
         [[nodiscard]] std::uint64_t held_cells(const cell_table&) const noexcept {
             std::uint64_t n = 0;
             for (std::uint32_t r = 0; r < n_seq_; ++r) n += tables_->used_in(r) != 0;
-            return n * region_;
+            return n * region_ + tables_->used_in(n_seq_);
         }
         /// Occupied cells of region r (sequence r's) that sequence r does not hold.
         [[nodiscard]] std::uint32_t foreign_cells(seq_id_t r) const {
@@ -426,18 +434,55 @@ struct ring {
             if (w == 0) return;
             const std::int64_t from = std::int64_t{n_keep} + n_discard;
             check_rm_one(cells, s, n_keep, from);
-            const pos_t top = max_in(cells, s, from, std::int64_t{0x7fffffff} + 1);
+            const pos_map& m = cells.seq_positions(s);
+            const pos_t top = max_in(m, from, end_of_positions);
             if (top < 0) return;  // nothing moves
             const pos_t mx = cells.seq_pos_max(s);
-            const std::int64_t m = std::max<std::int64_t>(max_in(cells, s, 0, n_keep), std::int64_t{top} - n_discard);
-            if (m < mx && m + 2 - static_cast<std::int64_t>(Window) < w)
+            const std::int64_t last = std::max<std::int64_t>(max_in(m, 0, n_keep), std::int64_t{top} - n_discard);
+            if (last < mx && last + 2 - static_cast<std::int64_t>(Window) < w)
                 detail::fail(errc::unsupported,
                              "context_shift: sequence " + std::to_string(s) + " of the ring<" + std::to_string(Window) +
                                  "> layout has no positions below " + std::to_string(w) +
                                  " any more (pruned by the sliding window); discarding [" + std::to_string(n_keep) +
-                                 ", " + std::to_string(from) + ") would make it end at " + std::to_string(m) +
+                                 ", " + std::to_string(from) + ") would make it end at " + std::to_string(last) +
                                  " and the next token's window would start at " +
-                                 std::to_string(m + 2 - static_cast<std::int64_t>(Window)) + ", below it");
+                                 std::to_string(last + 2 - static_cast<std::int64_t>(Window)) + ", below it");
+        }
+
+        /// Refuses (errc::unsupported) a list of seq_rm / seq_add / seq_div calls on sequence s
+        /// (reuse::apply_plan, ops::self_extend) that this layout would refuse part-way: each
+        /// step is checked by the rules of its own call against the positions that the steps
+        /// before it leave (simulated on a copy of s's positions), before any step runs. `what`
+        /// names the caller in the message. Throws invalid_argument for a step the cache itself
+        /// would refuse (divisor <= 0, reversed range, position past 2^31-1).
+        void check_seq_steps(const cell_table& cells, seq_id_t s, std::span<const seq_step> steps,
+                             const char* what) const {
+            const pos_t w = tables_->pruned_below(checked_seq(s));
+            if (w == 0) return;  // nothing pruned: every step is allowed
+            pos_map m = cells.seq_positions(s);
+            for (std::size_t i = 0; i < steps.size() && !m.empty(); ++i) {  // emptied: nothing pruned any more
+                const seq_step& st = steps[i];
+                const std::int64_t lo = st.p0 < 0 ? 0 : st.p0;
+                const std::int64_t hi = st.p1 < 0 ? end_of_positions : st.p1;
+                if (lo > hi || (st.kind == seq_step::op::div && st.arg <= 0))
+                    detail::fail(errc::invalid_argument,
+                                 std::string(what) + ": step " + describe(st, s) + " has a reversed range or divisor");
+                std::string why;
+                if (st.kind == seq_step::op::rm) {
+                    why = rm_refusal(m, w, s, lo, hi);
+                } else {
+                    const std::int64_t a = st.arg;
+                    const bool add = st.kind == seq_step::op::add;
+                    why = shift_refusal(m, w, add ? "seq_add" : "seq_div", s, lo, hi,
+                                        [a, add](pos_t p) { return add ? std::int64_t{p} + a : std::int64_t{p} / a; });
+                }
+                if (!why.empty())
+                    detail::fail(errc::unsupported, std::string(what) + ": step " + std::to_string(i + 1) + " of " +
+                                                        std::to_string(steps.size()) + " (" + list_steps(steps, s) +
+                                                        ") would be refused after the steps before it, so none was "
+                                                        "run: " + why);
+                simulate(m, st, s, lo, hi, what);
+            }
         }
 
         /// n free cells for the copies of shared cells that sequence s splits off when it
@@ -523,41 +568,51 @@ struct ring {
         static std::string range_end(std::int64_t hi) {
             return hi > std::int64_t{0x7fffffff} ? std::string("end") : std::to_string(hi);
         }
-        /// Largest position of s in [lo, hi), or -1.
-        static pos_t max_in(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) {
-            const auto& m = cells.seq_positions(s);
-            auto it = m.lower_bound(static_cast<pos_t>(std::min<std::int64_t>(hi, 0x7fffffff)));
-            if (hi > std::int64_t{0x7fffffff}) it = m.end();
+        using pos_map = std::map<pos_t, std::uint32_t>;  // position -> cells (cell_table::seq_positions)
+        static constexpr std::int64_t end_of_positions = std::int64_t{0x7fffffff} + 1;  // p1 < 0: to the end
+
+        /// Largest position of m in [lo, hi), or -1.
+        static pos_t max_in(const pos_map& m, std::int64_t lo, std::int64_t hi) {
+            auto it = hi >= end_of_positions ? m.end() : m.lower_bound(static_cast<pos_t>(hi));
             if (it == m.begin()) return -1;
             const pos_t p = std::prev(it)->first;
             return p >= lo ? p : -1;
         }
+        static pos_t max_in(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) {
+            return max_in(cells.seq_positions(s), lo, hi);
+        }
+        static pos_t max_of(const pos_map& m) { return m.empty() ? -1 : m.rbegin()->first; }
 
         void check_rm_one(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) const {
             const pos_t w = tables_->pruned_below(s);
             if (w == 0) return;
-            const pos_t mx = cells.seq_pos_max(s);
+            if (std::string why = rm_refusal(cells.seq_positions(s), w, s, lo, hi); !why.empty())
+                detail::fail(errc::unsupported, why);
+        }
+
+        /// Why seq_rm of [lo, hi) from sequence s (positions m, pruning point w > 0) is refused,
+        /// or an empty string when it is allowed.
+        static std::string rm_refusal(const pos_map& m, pos_t w, seq_id_t s, std::int64_t lo, std::int64_t hi) {
+            const pos_t mx = max_of(m);
             const std::string head = "seq_rm: sequence " + std::to_string(s) + " of the ring<" +
                                      std::to_string(Window) + "> layout has no positions below " + std::to_string(w) +
                                      " any more (pruned by the sliding window); ";
-            if (hi > mx) {             // truncation: keeps positions < lo
-                if (lo <= 0) return;   // removes the whole sequence, in a full cache too
-                const pos_t m = max_in(cells, s, 0, lo);  // the new last position (-1: none left here)
-                if (std::int64_t{m} + 2 - static_cast<std::int64_t>(Window) < w)
-                    detail::fail(errc::unsupported,
-                                 head + "truncating at " + std::to_string(lo) +
-                                     (m < 0 ? std::string(" removes every position held here while a full cache "
-                                                          "would keep those below it; remove the whole sequence "
-                                                          "(p0 <= 0) or recompute")
-                                            : " leaves it ending at " + std::to_string(m) +
-                                                  ", and the next token's window would need positions from " +
-                                                  std::to_string(std::int64_t{m} + 2 - static_cast<std::int64_t>(Window)) +
-                                                  "; recompute instead"));
-                return;
+            if (hi > mx) {                  // truncation: keeps positions < lo
+                if (lo <= 0) return {};     // removes the whole sequence, in a full cache too
+                const pos_t last = max_in(m, 0, lo);  // the new last position (-1: none left here)
+                if (std::int64_t{last} + 2 - static_cast<std::int64_t>(Window) >= w) return {};
+                return head + "truncating at " + std::to_string(lo) +
+                       (last < 0 ? std::string(" removes every position held here while a full cache would keep "
+                                               "those below it; remove the whole sequence (p0 <= 0) or recompute")
+                                 : " leaves it ending at " + std::to_string(last) +
+                                       ", and the next token's window would need positions from " +
+                                       std::to_string(std::int64_t{last} + 2 - static_cast<std::int64_t>(Window)) +
+                                       "; recompute instead");
             }
             if (lo < w)
-                detail::fail(errc::unsupported, head + "cannot remove the range [" + std::to_string(lo) + ", " +
-                                                    std::to_string(hi) + ") that reaches below it");
+                return head + "cannot remove the range [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                       ") that reaches below it";
+            return {};
         }
 
         template <class F>
@@ -565,24 +620,61 @@ struct ring {
                              F f) const {
             const pos_t w = tables_->pruned_below(s);
             if (w == 0) return;
-            const pos_t top = max_in(cells, s, lo, hi);
-            if (top < 0) return;  // nothing of s in the range: nothing moves
+            if (std::string why = shift_refusal(cells.seq_positions(s), w, fn, s, lo, hi, f); !why.empty())
+                detail::fail(errc::unsupported, why);
+        }
+
+        /// Why moving [lo, hi) of sequence s (positions m, pruning point w > 0) to f(p) is
+        /// refused (rules (a) and (b) of the file comment), or an empty string.
+        template <class F>
+        static std::string shift_refusal(const pos_map& m, pos_t w, const char* fn, seq_id_t s, std::int64_t lo,
+                                         std::int64_t hi, F f) {
+            const pos_t top = max_in(m, lo, hi);
+            if (top < 0) return {};  // nothing of s in the range: nothing moves
             const std::string head = std::string(fn) + ": sequence " + std::to_string(s) + " of the ring<" +
                                      std::to_string(Window) + "> layout has no positions below " + std::to_string(w) +
                                      " any more (pruned by the sliding window); ";
             if (lo < w)  // (a)
-                detail::fail(errc::unsupported, head + "cannot move the range [" + std::to_string(lo) + ", " +
-                                                    range_end(hi) + ") that reaches below it");
+                return head + "cannot move the range [" + std::to_string(lo) + ", " + range_end(hi) +
+                       ") that reaches below it";
             // (b): the new last position is the larger of the unmoved ones and the moved top
-            const pos_t mx = cells.seq_pos_max(s);
-            std::int64_t m = std::max<std::int64_t>(max_in(cells, s, 0, lo), f(top) >= 0 ? f(top) : -1);
-            if (mx >= hi) m = std::max<std::int64_t>(m, mx);
-            if (m < mx && m + 2 - static_cast<std::int64_t>(Window) < w)
-                detail::fail(errc::unsupported,
-                             head + "after moving [" + std::to_string(lo) + ", " + range_end(hi) +
-                                 ") the sequence would end at " + std::to_string(m) +
-                                 " and the next token's window would start at " +
-                                 std::to_string(m + 2 - static_cast<std::int64_t>(Window)) + ", below it");
+            const pos_t mx = max_of(m);
+            std::int64_t last = std::max<std::int64_t>(max_in(m, 0, lo), f(top) >= 0 ? f(top) : -1);
+            if (mx >= hi) last = std::max<std::int64_t>(last, mx);
+            if (last < mx && last + 2 - static_cast<std::int64_t>(Window) < w)
+                return head + "after moving [" + std::to_string(lo) + ", " + range_end(hi) +
+                       ") the sequence would end at " + std::to_string(last) +
+                       " and the next token's window would start at " +
+                       std::to_string(last + 2 - static_cast<std::int64_t>(Window)) + ", below it";
+            return {};
+        }
+
+        /// Applies step st (range [lo, hi)) of sequence s to its positions m, as the cache would.
+        static void simulate(pos_map& m, const seq_step& st, seq_id_t s, std::int64_t lo, std::int64_t hi,
+                             const char* what) {
+            const auto first = m.lower_bound(static_cast<pos_t>(std::min<std::int64_t>(lo, 0x7fffffff)));
+            const auto last = hi >= end_of_positions ? m.end() : m.lower_bound(static_cast<pos_t>(hi));
+            if (first == last) return;  // nothing of s in the range
+            std::vector<std::pair<std::int64_t, std::uint32_t>> moved;
+            if (st.kind != seq_step::op::rm)
+                for (auto it = first; it != last; ++it)
+                    moved.emplace_back(st.kind == seq_step::op::add ? std::int64_t{it->first} + st.arg
+                                                                    : std::int64_t{it->first} / st.arg,
+                                       it->second);
+            m.erase(first, last);
+            for (const auto& [p, n] : moved) {
+                if (p > 0x7fffffff)
+                    detail::fail(errc::invalid_argument, std::string(what) + ": step " + describe(st, s) +
+                                                             " would move position past 2^31-1");
+                if (p >= 0) m[static_cast<pos_t>(p)] += n;
+            }
+        }
+
+        /// The steps as calls, for messages (the first eight).
+        static std::string list_steps(std::span<const seq_step> steps, seq_id_t s) {
+            std::string out;
+            for (std::size_t i = 0; i < steps.size() && i < 8; ++i) out += (i == 0 ? "" : ", ") + describe(steps[i], s);
+            return steps.size() > 8 ? out + ", ..." : out;
         }
 
         std::uint32_t region_;  // cells per sequence region: n_cells / n_seq_max >= Window + 1

@@ -5,9 +5,13 @@
 
 #include <cstdint>   // fixed-width integers
 #include <optional>  // default n_discard
+#include <span>      // steps for the layout hook
 #include <string>    // messages
+#include <utility>   // std::pair
+#include <vector>    // steps for the layout hook
 
 #include "../error.hpp"
+#include "../layout/seq_step.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -83,14 +87,47 @@ struct self_extend_state {
     pos_t ga_i = 0;
 };
 
+namespace detail_ctx {
+/// The Self-Extend rounds from (ga_i, n_past) while n_past >= ga_i + ga_w, in 64-bit:
+/// round(gi, np, up, dd) per round, with up = ib*bd, then np -= bd and gi += ga_w/ga_n
+/// (names as in self_extend). Returns {n_past, ga_i} after the last round.
+template <class Round>
+std::pair<std::int64_t, std::int64_t> self_extend_rounds(const self_extend_state& st, std::int64_t n_past,
+                                                         Round&& round) {
+    std::int64_t gi = st.ga_i;
+    while (n_past >= gi + st.ga_w) {
+        const std::int64_t ib = std::int64_t{st.ga_n} * gi / st.ga_w;
+        const std::int64_t bd = std::int64_t{st.ga_w / st.ga_n} * (st.ga_n - 1);
+        const std::int64_t dd = std::int64_t{st.ga_w / st.ga_n} - ib * bd - st.ga_w;
+        round(gi, n_past, ib * bd, dd);
+        n_past -= bd;
+        gi += st.ga_w / st.ga_n;
+    }
+    return {n_past, gi};
+}
+/// The seq_add / seq_div calls of those rounds, three per round, given to emit(const
+/// seq_step&). The caller checked that every value fits pos_t.
+template <class Emit>
+std::pair<std::int64_t, std::int64_t> self_extend_steps(const self_extend_state& st, pos_t n_past, Emit&& emit) {
+    const auto p = [](std::int64_t x) { return static_cast<pos_t>(x); };
+    return self_extend_rounds(st, n_past, [&](std::int64_t gi, std::int64_t np, std::int64_t up, std::int64_t dd) {
+        emit(seq_step{seq_step::op::add, p(gi), p(np), p(up)});
+        emit(seq_step{seq_step::op::div, p(gi + up), p(gi + up + st.ga_w), st.ga_n});
+        emit(seq_step{seq_step::op::add, p(gi + up + st.ga_w), p(np + up), p(dd)});
+    });
+}
+}  // namespace detail_ctx
+
 /// F14: compresses the positions of `seq` beyond the pretrained window as Self-Extend does,
 /// while n_past >= ga_i + ga_w: each round shifts [ga_i, n_past) by ib*bd, divides the next
 /// window [ga_i + ib*bd, ga_i + ib*bd + ga_w) by ga_n, and shifts the rest by dd, with
 /// ib = ga_n*ga_i/ga_w, bd = (ga_w/ga_n)*(ga_n-1), dd = ga_w/ga_n - ib*bd - ga_w.
 /// Returns the new n_past (n_past - bd per round) and advances st.ga_i by ga_w/ga_n.
 /// Records the K-shifts (apply them with ops::apply_k_shift). Throws kvcache::error on
-/// invalid ga_n / ga_w / n_past, or no_space if shared cells cannot be split; the cache and
-/// st are unchanged when it throws.
+/// invalid ga_n / ga_w / n_past, no_space if shared cells cannot be split, or unsupported
+/// when a layout would refuse one of the calls (a ring whose window pruned positions they
+/// need: every call is checked first through the layout hook check_seq_steps); the cache
+/// and st are unchanged when it throws.
 template <class Cache>
 pos_t self_extend(Cache& cache, seq_id_t seq, self_extend_state& st, pos_t n_past) {
     using std::to_string;
@@ -108,31 +145,21 @@ pos_t self_extend(Cache& cache, seq_id_t seq, self_extend_state& st, pos_t n_pas
         detail::fail(errc::no_space, "self_extend: moving shared cells needs " + to_string(splits) + " free cells, " +
                                          to_string(cache.capacity() - cache.used()) + " free");
     // Positions may not overflow: the largest intermediate is n_past + ib*bd.
-    {
-        pos_t gi = st.ga_i, np = n_past;
-        while (np >= gi + st.ga_w) {
-            const std::int64_t ib = std::int64_t{st.ga_n} * gi / st.ga_w;
-            const std::int64_t bd = std::int64_t{st.ga_w / st.ga_n} * (st.ga_n - 1);
-            if (std::int64_t{np} + ib * bd > INT32_MAX)
-                detail::fail(errc::invalid_argument, "self_extend: positions would pass 2^31-1 (n_past = " +
-                                                         to_string(n_past) + ")");
-            np = static_cast<pos_t>(np - bd);
-            gi += st.ga_w / st.ga_n;
-        }
+    detail_ctx::self_extend_rounds(st, n_past, [&](std::int64_t, std::int64_t np, std::int64_t up, std::int64_t) {
+        if (np + up > INT32_MAX)
+            detail::fail(errc::invalid_argument,
+                         "self_extend: positions would pass 2^31-1 (n_past = " + to_string(n_past) + ")");
+    });
+    if constexpr (requires(std::span<const seq_step> steps) {
+                      cache.storage().check_seq_steps(cache.cells(), seq, steps, "self_extend");
+                  }) {
+        std::vector<seq_step> steps;  // layout hook (ring: calls that need pruned positions)
+        detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) { steps.push_back(x); });
+        cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "self_extend");
     }
-    while (n_past >= st.ga_i + st.ga_w) {  // 64-bit arithmetic; the check above bounds every value
-        const std::int64_t ib = std::int64_t{st.ga_n} * st.ga_i / st.ga_w;
-        const std::int64_t bd = std::int64_t{st.ga_w / st.ga_n} * (st.ga_n - 1);
-        const std::int64_t dd = std::int64_t{st.ga_w / st.ga_n} - ib * bd - st.ga_w;
-        const std::int64_t gi = st.ga_i, w = st.ga_w;
-        cache.seq_add(seq, static_cast<pos_t>(gi), n_past, static_cast<pos_t>(ib * bd));
-        cache.seq_div(seq, static_cast<pos_t>(gi + ib * bd), static_cast<pos_t>(gi + ib * bd + w), st.ga_n);
-        cache.seq_add(seq, static_cast<pos_t>(gi + ib * bd + w), static_cast<pos_t>(n_past + ib * bd),
-                      static_cast<pos_t>(dd));
-        n_past = static_cast<pos_t>(n_past - bd);
-        st.ga_i += st.ga_w / st.ga_n;
-    }
-    return n_past;
+    const auto [np, gi] = detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) { run_step(cache, seq, x); });
+    st.ga_i = static_cast<pos_t>(gi);
+    return static_cast<pos_t>(np);
 }
 
 }  // namespace ops

@@ -7,7 +7,11 @@
 //             contiguous: the occupied cells (any free cell takes any token);
 //             paged:      every referenced block in full (free cells of a block belong
 //                         to the sequences using it);
-//             ring:       the whole region of every sequence that has cells.
+//             ring:       the whole region of every region that holds a cell (its own
+//                         sequence's or, until the next commit moves it, another's), plus
+//                         the occupied cells past the last region (n_cells not a multiple
+//                         of n_seq_max; split copies land there only when every region is
+//                         full), so held >= used.
 // - waste = held - used: memory lost to the layout's granularity (vLLM's "< 4%"
 //   for paged blocks is this number).
 #pragma once

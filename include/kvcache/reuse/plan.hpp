@@ -13,10 +13,12 @@
 
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
+#include <span>     // steps for the layout hook
 #include <string>   // messages
 #include <vector>   // moves
 
 #include "../error.hpp"
+#include "../layout/seq_step.hpp"
 #include "../model_shape.hpp"
 #include "../prompt/prompt_tokens.hpp"
 
@@ -126,33 +128,61 @@ template <class Cache>
     return n;
 }
 
-/// Performs plan p on sequence seq (F19, F20): for each move, seq_rm the positions between
-/// its destination and source, then seq_add the chunk into place; finally seq_rm every
-/// position >= n_past. Moved cells keep a pending K-shift (cache.has_shift()); apply it with
-/// the K-shift kernel before attention. Throws kvcache::error (no_space, unsupported,
-/// invalid_argument) before changing anything if the plan cannot be applied.
+/// The seq_rm / seq_add calls of plan p, in order, given to emit(const seq_step&): per move,
+/// seq_rm of the positions between its destination and source, then seq_add of the chunk
+/// into place; last, seq_rm of every position >= n_past.
+template <class Emit>
+void for_each_step(const plan& p, Emit&& emit) {
+    for (const auto& m : p.moves) {
+        emit(seq_step{seq_step::op::rm, m.dst, m.src, 0});
+        emit(seq_step{seq_step::op::add, m.src, m.src + static_cast<pos_t>(m.n), m.dst - m.src});
+    }
+    emit(seq_step{seq_step::op::rm, static_cast<pos_t>(p.n_past), -1, 0});
+}
+
+/// Performs plan p on sequence seq (F19, F20): the calls of for_each_step. Moved cells keep a
+/// pending K-shift (cache.has_shift()); apply it with the K-shift kernel before attention.
+/// Throws kvcache::error before changing anything if the plan cannot be applied: no_space
+/// (shared cells to split), unsupported (a layout that cannot move positions, or a ring that
+/// would refuse one of the calls because its window pruned positions they need: every call
+/// is checked first through the layout hook check_seq_steps), invalid_argument (seq, or a
+/// move with dst < 0, dst > src or src + n past 2^31-1, or n_past past 2^31-1).
 template <class Cache>
 void apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
+    using std::to_string;
     if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.shape().n_seq_max)
-        detail::fail(errc::invalid_argument, "apply_plan: seq = " + std::to_string(seq) + ", must be in [0, " +
-                                                 std::to_string(cache.shape().n_seq_max) + ")");
+        detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
+                                                 to_string(cache.shape().n_seq_max) + ")");
     if (cache.in_transaction())
         detail::fail(errc::transaction_open, "apply_plan: placements are staged; commit() or restore() first");
+    if (p.n_past > std::uint32_t{0x7fffffff})
+        detail::fail(errc::invalid_argument, "apply_plan: n_past = " + to_string(p.n_past) + ", must be < 2^31");
+    for (std::size_t i = 0; i < p.moves.size(); ++i) {
+        const chunk_move& m = p.moves[i];
+        if (m.dst < 0 || m.dst > m.src || std::int64_t{m.src} + m.n > 0x7fffffff)
+            detail::fail(errc::invalid_argument, "apply_plan: moves[" + to_string(i) + "] = {src " + to_string(m.src) +
+                                                     ", dst " + to_string(m.dst) + ", n " + to_string(m.n) +
+                                                     "}: needs 0 <= dst <= src and src + n < 2^31");
+    }
     if (!p.moves.empty()) {
         if constexpr (!Cache::layout::can_shift)
             detail::fail(errc::unsupported, "apply_plan: the plan moves chunks but the " +
                                                 std::string(Cache::layout::name) + " layout cannot move positions");
         const std::uint32_t need = cells_needed(cache, seq, p);
         if (need > cache.capacity() - cache.used())
-            detail::fail(errc::no_space, "apply_plan: moving chunks needs " + std::to_string(need) +
+            detail::fail(errc::no_space, "apply_plan: moving chunks needs " + to_string(need) +
                                              " free cells to split shared cells, " +
-                                             std::to_string(cache.capacity() - cache.used()) + " free");
-        for (const auto& m : p.moves) {
-            cache.seq_rm(seq, m.dst, m.src);
-            cache.seq_add(seq, m.src, m.src + static_cast<pos_t>(m.n), m.dst - m.src);
+                                             to_string(cache.capacity() - cache.used()) + " free");
+        if constexpr (requires(std::span<const seq_step> st) {
+                          cache.storage().check_seq_steps(cache.cells(), seq, st, "apply_plan");
+                      }) {
+            std::vector<seq_step> steps;  // layout hook (ring: calls that need pruned positions)
+            steps.reserve(2 * p.moves.size() + 1);
+            for_each_step(p, [&](const seq_step& st) { steps.push_back(st); });
+            cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "apply_plan");
         }
     }
-    cache.seq_rm(seq, static_cast<pos_t>(p.n_past), -1);
+    for_each_step(p, [&](const seq_step& st) { run_step(cache, seq, st); });
 }
 
 }  // namespace reuse
