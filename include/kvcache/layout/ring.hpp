@@ -49,11 +49,10 @@
 // Positions below w are never moved (a), so w stays valid afterwards. Every other move
 // gives the same windows as a cache that never pruned: the positions moved are all
 // present, and the window of every later token starts at or above w (b).
-// ops::context_shift checks its seq_rm and seq_add together first (check_context_shift),
-// so that it is refused whole rather than half-done; reuse::apply_plan (chunk reuse) and
-// ops::self_extend do the same for their lists of seq_rm / seq_add / seq_div calls
-// (check_seq_steps: each call is checked by these rules against the positions the calls
-// before it leave, simulated on a copy of the sequence's positions).
+// ops::context_shift, reuse::apply_plan (chunk reuse) and ops::self_extend check their
+// lists of seq_rm / seq_add / seq_div calls first (check_seq_steps: each call is checked
+// by these rules against the positions the calls before it leave, simulated on a copy of
+// the sequence's positions), so they are refused whole rather than half-done.
 //
 // What else the layout refuses (errc::unsupported, cache unchanged):
 // - seq_rm that needs pruned data: removing a range that reaches below the pruning
@@ -426,33 +425,11 @@ struct ring {
             for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t) check_shift_one(cells, fn, t, lo, hi, f);
         }
 
-        /// Refuses (errc::unsupported) an ops::context_shift of sequence s (seq_rm of
-        /// [n_keep, n_keep + n_discard), then seq_add of the rest by -n_discard) that this
-        /// layout would refuse half-way: both steps are checked on the positions before either.
-        void check_context_shift(const cell_table& cells, seq_id_t s, pos_t n_keep, pos_t n_discard) const {
-            const pos_t w = tables_->pruned_below(s);
-            if (w == 0) return;
-            const std::int64_t from = std::int64_t{n_keep} + n_discard;
-            check_rm_one(cells, s, n_keep, from);
-            const pos_map& m = cells.seq_positions(s);
-            const pos_t top = max_in(m, from, end_of_positions);
-            if (top < 0) return;  // nothing moves
-            const pos_t mx = cells.seq_pos_max(s);
-            const std::int64_t last = std::max<std::int64_t>(max_in(m, 0, n_keep), std::int64_t{top} - n_discard);
-            if (last < mx && last + 2 - static_cast<std::int64_t>(Window) < w)
-                detail::fail(errc::unsupported,
-                             "context_shift: sequence " + std::to_string(s) + " of the ring<" + std::to_string(Window) +
-                                 "> layout has no positions below " + std::to_string(w) +
-                                 " any more (pruned by the sliding window); discarding [" + std::to_string(n_keep) +
-                                 ", " + std::to_string(from) + ") would make it end at " + std::to_string(last) +
-                                 " and the next token's window would start at " +
-                                 std::to_string(last + 2 - static_cast<std::int64_t>(Window)) + ", below it");
-        }
-
         /// Refuses (errc::unsupported) a list of seq_rm / seq_add / seq_div calls on sequence s
-        /// (reuse::apply_plan, ops::self_extend) that this layout would refuse part-way: each
-        /// step is checked by the rules of its own call against the positions that the steps
-        /// before it leave (simulated on a copy of s's positions), before any step runs. `what`
+        /// (ops::context_shift, reuse::apply_plan, ops::self_extend) that this layout would
+        /// refuse part-way: each step is checked by the rules of its own call against the
+        /// positions that the steps before it leave (simulated on a copy of s's positions),
+        /// before any step runs. `what`
         /// names the caller in the message. Throws invalid_argument for a step the cache itself
         /// would refuse (divisor <= 0, reversed range, position past 2^31-1).
         void check_seq_steps(const cell_table& cells, seq_id_t s, std::span<const seq_step> steps,

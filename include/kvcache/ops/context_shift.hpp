@@ -72,8 +72,13 @@ context_shift_result context_shift(Cache& cache, seq_id_t seq, pos_t n_keep, std
     if (splits > cache.capacity() - cache.used() + freed)
         detail::fail(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) + " free cells, " +
                                          to_string(cache.capacity() - cache.used() + freed) + " available");
-    if constexpr (requires { cache.storage().check_context_shift(cache.cells(), seq, n_keep, discard); })
-        cache.storage().check_context_shift(cache.cells(), seq, n_keep, discard);  // layout hook: both steps
+    if constexpr (requires(std::span<const seq_step> st) {
+                      cache.storage().check_seq_steps(cache.cells(), seq, st, "context_shift");
+                  }) {  // layout hook (ring: both calls checked before the first runs)
+        const seq_step steps[] = {{seq_step::op::rm, n_keep, static_cast<pos_t>(moved_from), 0},
+                                  {seq_step::op::add, static_cast<pos_t>(moved_from), -1, -discard}};
+        cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "context_shift");
+    }
     cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from));
     cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard);
     return {n_keep, discard, n_past - discard};
