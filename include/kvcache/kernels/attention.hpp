@@ -132,9 +132,14 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     constexpr std::size_t B = k_tile / L;  // sub-batches per tile
     // Independent FMA chains in the score loop: at least 8 (latency x pipes) when M is small.
     constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
-    // d-blocks of V processed together: M x VB accumulators (16 for M <= 8), so each
-    // converted V vector feeds M x VB FMAs and each broadcast p feeds VB.
-    constexpr std::size_t VB = M >= 16 ? 1 : M == 8 ? 2 : 4;
+    // V accumulation in groups of MG slots and VB d-blocks: MG x VB accumulators (16 for
+    // M >= 4), each converted V vector feeds MG FMAs and each broadcast p feeds VB.
+    // Broadcasts cost an FP issue slot like an FMA on the machines measured, so VB >= 2
+    // even for M = 16 (two groups of 8: each V vector is converted twice, but half as
+    // many broadcasts are issued as with one group and VB = 1).
+    constexpr std::size_t MG = M > 8 ? 8 : M;
+    constexpr std::size_t VB = MG == 8 ? 2 : 4;
+    static_assert(M % MG == 0, "slot count must be a multiple of the V group");
     const float ninf = -std::numeric_limits<float>::infinity();
     const std::uint32_t dk = sh.dk, dv = sh.dv;
     const bool vt = kv.vl == v_layout::transposed;
@@ -148,157 +153,192 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     for (std::size_t s = 0; s < M; ++s)
         for (std::size_t b = 0; b < B; ++b) lsum[s][b] = fbatch(b == 0 ? st.l[s] / static_cast<float>(L) : 0.0f);
 
-    for (std::size_t r = 0; r < n_ranges; ++r) {
-        for (std::uint32_t t = ranges[r].t0; t < ranges[r].t1; ++t) {
-            std::uint32_t mask[M];
-            std::uint32_t any = 0;
-            for (std::size_t s = 0; s < M; ++s) {
-                mask[s] = visible_mask(meta, t, slots[s], sh.window);
-                any |= mask[s];
-            }
-            if (any == 0) continue;
-            if (t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
+    // Slots that see exactly what the previous slot sees (the query heads of one row):
+    // their masks are copied instead of recomputed.
+    bool same_as_prev[M];
+    for (std::size_t s = 0; s < M; ++s)
+        same_as_prev[s] = s > 0 && slots[s].active == slots[s - 1].active && slots[s].qp == slots[s - 1].qp &&
+                          slots[s].qs == slots[s - 1].qs;
 
-            // ---- scores: sc[s] = q_s . K[:, cells of the tile]
-            const T* kt = kv.k_tile_ptr(h, t);
-            fbatch sc[M][B];
-            {
-                fbatch part[KC][M][B];
-                for (std::size_t c = 0; c < KC; ++c)
-                    for (std::size_t s = 0; s < M; ++s)
-                        for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
-                std::uint32_t d = 0;
-                for (; d + KC <= dk; d += KC) {
-                    for (std::size_t c = 0; c < KC; ++c) {
-                        fbatch krow[B];
-                        for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
-                        for (std::size_t s = 0; s < M; ++s) {
-                            const fbatch qd(q_buf[std::size_t{d + c} * M + s]);
-                            for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
-                        }
-                    }
+    // Visible tiles in visiting order: next_tile() advances (r, t) to the next tile some
+    // slot sees and fills its masks.
+    std::size_t r = 0;
+    std::uint32_t t = n_ranges > 0 ? ranges[0].t0 : 0;
+    auto next_tile = [&](std::uint32_t* mask, std::uint32_t& any) -> bool {
+        for (; r < n_ranges; ++r, t = r < n_ranges ? ranges[r].t0 : 0) {
+            for (; t < ranges[r].t1; ++t) {
+                mask[0] = visible_mask(meta, t, slots[0], sh.window);
+                any = mask[0];
+                for (std::size_t s = 1; s < M; ++s) {
+                    mask[s] = same_as_prev[s] ? mask[s - 1] : visible_mask(meta, t, slots[s], sh.window);
+                    any |= mask[s];
                 }
-                for (; d < dk; ++d) {
-                    fbatch krow[B];
-                    for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
-                    for (std::size_t s = 0; s < M; ++s) {
-                        const fbatch qd(q_buf[std::size_t{d} * M + s]);
-                        for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
-                    }
+                if (any != 0) {
+                    if (t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
+                    return true;
                 }
-                for (std::size_t s = 0; s < M; ++s)
-                    for (std::size_t b = 0; b < B; ++b) {
-                        fbatch v = part[0][s][b];
-                        for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
-                        sc[s][b] = v;
-                    }
             }
+        }
+        return false;
+    };
 
-            // ---- online softmax per slot; p_buf[s][j] = exp(logit - m) (0 where masked)
-            float alpha[M];
-            bool rescale = false;
-            for (std::size_t s = 0; s < M; ++s) {
-                alpha[s] = 1.0f;
-                if (mask[s] == 0) {
-                    for (std::size_t b = 0; b < B; ++b) fbatch(0.0f).store_unaligned(p_buf + s * k_tile + b * L);
-                    continue;
+    // ---- scores: sc[s] = q_s . K[:, cells of the tile]
+    auto score_tile = [&](std::uint32_t tile, fbatch (&sc)[M][B]) {
+        const T* kt = kv.k_tile_ptr(h, tile);
+        fbatch part[KC][M][B];
+        for (std::size_t c = 0; c < KC; ++c)
+            for (std::size_t s = 0; s < M; ++s)
+                for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
+        std::uint32_t d = 0;
+        for (; d + KC <= dk; d += KC) {
+            for (std::size_t c = 0; c < KC; ++c) {
+                fbatch krow[B];
+                for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
+                for (std::size_t s = 0; s < M; ++s) {
+                    const fbatch qd(q_buf[std::size_t{d + c} * M + s]);
+                    for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
                 }
+            }
+        }
+        for (; d < dk; ++d) {
+            fbatch krow[B];
+            for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
+            for (std::size_t s = 0; s < M; ++s) {
+                const fbatch qd(q_buf[std::size_t{d} * M + s]);
+                for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
+            }
+        }
+        for (std::size_t s = 0; s < M; ++s)
+            for (std::size_t b = 0; b < B; ++b) {
+                fbatch v = part[0][s][b];
+                for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
+                sc[s][b] = v;
+            }
+    };
+
+    std::uint32_t mask[M], any = 0;
+    while (next_tile(mask, any)) {
+        const std::uint32_t tile = t++;
+        const std::uint32_t any_cur = any;
+        fbatch sc[M][B];
+        score_tile(tile, sc);
+
+        // ---- online softmax per slot; p_buf[s][j] = exp(logit - m) (0 where masked)
+        float alpha[M];
+        bool rescale = false;
+        for (std::size_t s = 0; s < M; ++s) {
+            alpha[s] = 1.0f;
+            if (mask[s] == 0) {
+                for (std::size_t b = 0; b < B; ++b) fbatch(0.0f).store_unaligned(p_buf + s * k_tile + b * L);
+                continue;
+            }
+            const bool partial = mask[s] != 0xffffu;
+            // Lazy max: keep the reference m until a logit exceeds it by more than
+            // rescale_margin, so most tiles skip the rescale; p <= e^8 cannot overflow.
+            // The test is one vector compare per batch; the horizontal max is only
+            // computed when the reference has to move.
+            const fbatch thr(st.m[s] + rescale_margin);  // -inf while nothing was seen
+            bool above = st.m[s] == ninf;
+            for (std::size_t b = 0; b < B; ++b) {
+                fbatch x = sc[s][b];
+                if (sh.softcap > 0.0f) x = fbatch(sh.softcap) * xsimd::tanh(x / fbatch(sh.softcap));
+                if (partial) x = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
+                sc[s][b] = x;
+                above = above || xsimd::any(x > thr);
+            }
+            float m_new = st.m[s];
+            if (above) {
                 float tmax = ninf;
                 for (std::size_t b = 0; b < B; ++b) {
-                    fbatch x = sc[s][b];
-                    if (sh.softcap > 0.0f) x = fbatch(sh.softcap) * xsimd::tanh(x / fbatch(sh.softcap));
-                    x = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
-                    sc[s][b] = x;
-                    const float mb = simd::hmax(x);
+                    const float mb = simd::hmax(sc[s][b]);
                     tmax = mb > tmax ? mb : tmax;
                 }
-                // Lazy max: keep the reference m until a logit exceeds it by more than
-                // rescale_margin, so most tiles skip the rescale; p <= e^8 cannot overflow.
-                const float m_new = st.m[s] == ninf || tmax > st.m[s] + rescale_margin ? tmax : st.m[s];
-                if (m_new != st.m[s]) {
-                    alpha[s] = st.m[s] == ninf ? 0.0f : std::exp(st.m[s] - m_new);
-                    rescale = true;
-                    st.m[s] = m_new;
-                }
-                const bool partial = mask[s] != 0xffffu;
-                for (std::size_t b = 0; b < B; ++b) {
-                    fbatch pb = simd::exp_bounded(sc[s][b] - fbatch(m_new));
-                    if (partial)
-                        pb = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), pb, fbatch(0.0f));
-                    pb.store_unaligned(p_buf + s * k_tile + b * L);
-                    lsum[s][b] = xsimd::fma(lsum[s][b], fbatch(alpha[s]), pb);
-                }
+                m_new = tmax;
             }
+            if (m_new != st.m[s]) {
+                alpha[s] = st.m[s] == ninf ? 0.0f : std::exp(st.m[s] - m_new);
+                rescale = true;
+                st.m[s] = m_new;
+            }
+            for (std::size_t b = 0; b < B; ++b) {
+                fbatch pb = simd::exp_bounded(sc[s][b] - fbatch(m_new));
+                if (partial)
+                    pb = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), pb, fbatch(0.0f));
+                pb.store_unaligned(p_buf + s * k_tile + b * L);
+                lsum[s][b] = xsimd::fma(lsum[s][b], fbatch(alpha[s]), pb);
+            }
+        }
 
-            // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j]
-            const T* vsrc = nullptr;
-            std::size_t vstride = dv;
-            if (!vt) {
-                vsrc = kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile * dv;
-            } else {
-                // Transposed V: gather the visible cells' rows into row-major scratch.
-                for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
-                    const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                    simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile + j, kv.n_cells_pad,
-                                    vt_buf + std::size_t{j} * dv, dv);
-                }
+        // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j]
+        const T* vsrc = nullptr;
+        std::size_t vstride = dv;
+        if (!vt) {
+            vsrc = kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile * dv;
+        } else {
+            // Transposed V: gather the visible cells' rows into row-major scratch.
+            for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1) {
+                const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile + j, kv.n_cells_pad,
+                                vt_buf + std::size_t{j} * dv, dv);
             }
-            auto accumulate = [&](auto* src) {
-                std::uint32_t d = 0;
-                for (; d + VB * L <= dv; d += VB * L) {
-                    fbatch a[M][VB];
-                    for (std::size_t s = 0; s < M; ++s)
+        }
+        auto accumulate = [&](auto* src) {
+            std::uint32_t d = 0;
+            for (; d + VB * L <= dv; d += VB * L) {
+                for (std::size_t g = 0; g < M; g += MG) {  // slot groups: MG x VB accumulators
+                    fbatch a[MG][VB];
+                    for (std::size_t s = 0; s < MG; ++s)
                         for (std::size_t v = 0; v < VB; ++v) {
-                            a[s][v] = fbatch::load_unaligned(st.acc + s * dv + d + v * L);
-                            if (rescale) a[s][v] *= fbatch(alpha[s]);
+                            a[s][v] = fbatch::load_unaligned(st.acc + (g + s) * dv + d + v * L);
+                            if (rescale) a[s][v] *= fbatch(alpha[g + s]);
                         }
                     auto cell = [&](std::uint32_t j) {
                         fbatch vr[VB];
                         for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + j * vstride + d + v * L);
-                        for (std::size_t s = 0; s < M; ++s) {
-                            const fbatch pj(p_buf[s * k_tile + j]);
+                        for (std::size_t s = 0; s < MG; ++s) {
+                            const fbatch pj(p_buf[(g + s) * k_tile + j]);
                             for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
                         }
                     };
-                    if (any == 0xffffu) {
+                    if (any_cur == 0xffffu) {
                         for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
                     } else {
-                        for (std::uint32_t bits = any; bits != 0; bits &= bits - 1)
+                        for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1)
                             cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
                     }
-                    for (std::size_t s = 0; s < M; ++s)
-                        for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st.acc + s * dv + d + v * L);
+                    for (std::size_t s = 0; s < MG; ++s)
+                        for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st.acc + (g + s) * dv + d + v * L);
                 }
-                for (; d + L <= dv; d += L) {
-                    fbatch a[M];
-                    for (std::size_t s = 0; s < M; ++s) {
-                        a[s] = fbatch::load_unaligned(st.acc + s * dv + d);
-                        if (rescale) a[s] *= fbatch(alpha[s]);
-                    }
-                    for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
+            }
+            for (; d + L <= dv; d += L) {
+                fbatch a[M];
+                for (std::size_t s = 0; s < M; ++s) {
+                    a[s] = fbatch::load_unaligned(st.acc + s * dv + d);
+                    if (rescale) a[s] *= fbatch(alpha[s]);
+                }
+                for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1) {
+                    const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                    const fbatch vr = simd::load(src + j * vstride + d);
+                    for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * k_tile + j]), vr, a[s]);
+                }
+                for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
+            }
+            for (; d < dv; ++d) {
+                for (std::size_t s = 0; s < M; ++s) {
+                    float a = st.acc[s * dv + d];
+                    if (rescale) a *= alpha[s];
+                    for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1) {
                         const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                        const fbatch vr = simd::load(src + j * vstride + d);
-                        for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * k_tile + j]), vr, a[s]);
+                        a += p_buf[s * k_tile + j] * simd::to_float(src[j * vstride + d]);
                     }
-                    for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
+                    st.acc[s * dv + d] = a;
                 }
-                for (; d < dv; ++d) {
-                    for (std::size_t s = 0; s < M; ++s) {
-                        float a = st.acc[s * dv + d];
-                        if (rescale) a *= alpha[s];
-                        for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
-                            const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                            a += p_buf[s * k_tile + j] * simd::to_float(src[j * vstride + d]);
-                        }
-                        st.acc[s * dv + d] = a;
-                    }
-                }
-            };
-            if (!vt)
-                accumulate(vsrc);
-            else
-                accumulate(static_cast<const float*>(vt_buf));
-        }
+            }
+        };
+        if (!vt)
+            accumulate(vsrc);
+        else
+            accumulate(static_cast<const float*>(vt_buf));
     }
     for (std::size_t s = 0; s < M; ++s) {
         fbatch v = lsum[s][0];
