@@ -117,42 +117,52 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
         const rope_type type = shape.rope.type;
         const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
         const std::size_t tile_bytes = std::size_t{k_tile} * shape.dim_k() * sizeof(storage_type);
-        const int threads = n_threads;
+        int threads = 1;
+#if defined(_OPENMP)
+        threads = n_threads > 0 ? n_threads : omp_get_max_threads();
+#endif
         static_cast<void>(threads);
-        for (std::uint32_t l = 0; l < shape.n_layer; ++l) {
-            const kv_layer_view<storage_type> v = cache.storage().view(l);
-            for (std::uint32_t h = 0; h < n_head_kv; ++h) {
-                // Tiles of one (layer, head) are one contiguous stream: split it across threads.
-                KVCACHE_OMP(parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads()))
-                for (std::int64_t k = 0; k < n_tiles; ++k) {
-                    const kernels::tile_rotation& rot = pl.tiles[static_cast<std::size_t>(k)];
-                    const float* ct = pl.cos_tab.data() + std::size_t{rot.table} * pl.n_pairs;
-                    const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
-                    storage_type* tile = v.k_tile_ptr(h, rot.tile);
-                    if (k + 2 < n_tiles) {
-                        // NeoX walks a tile as two interleaved half-tile streams, which the
-                        // hardware prefetcher follows poorly: ask for the tile after next.
-                        const char* next = reinterpret_cast<const char*>(
-                            v.k_tile_ptr(h, pl.tiles[static_cast<std::size_t>(k + 2)].tile));
-                        for (std::size_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 1, 3);
-                    }
-                    if (path == kernel_path::simd) {
-                        kernels::rotate_tile(tile, pl.n_rot, type, rot, ct, st);
-                    } else {
-                        kernels::rotate_tile_scalar(
-                            tile, pl.n_rot, type, rot, ct, st,
-                            [](storage_type s) {
-                                float f;
-                                element::to_float(&s, &f, 1);
-                                return f;
-                            },
-                            [](float f) {
-                                storage_type s;
-                                element::from_float(&f, &s, 1);
-                                return s;
-                            });
-                    }
-                }
+        std::vector<kv_layer_view<storage_type>> views;
+        views.reserve(shape.n_layer);
+        for (std::uint32_t l = 0; l < shape.n_layer; ++l) views.push_back(cache.storage().view(l));
+        // Tile k of (layer l, head h) is work item (l * n_head_kv + h) * n_tiles + k; the
+        // items are split into one contiguous range per thread inside one parallel region
+        // (a region per layer and head cost a wake-up of every thread each time: with
+        // passive waiting, 16 threads spent a third of the call asleep).
+        const std::int64_t n_items = std::int64_t{shape.n_layer} * n_head_kv * n_tiles;
+        auto tile_ptr = [&](std::int64_t item) {
+            const std::int64_t stream = item / n_tiles;
+            const kv_layer_view<storage_type>& v = views[static_cast<std::size_t>(stream / n_head_kv)];
+            const auto& rot = pl.tiles[static_cast<std::size_t>(item - stream * n_tiles)];
+            return v.k_tile_ptr(static_cast<std::uint32_t>(stream % n_head_kv), rot.tile);
+        };
+        KVCACHE_OMP(parallel for schedule(static) num_threads(threads) if (threads > 1))
+        for (std::int64_t item = 0; item < n_items; ++item) {
+            const kernels::tile_rotation& rot = pl.tiles[static_cast<std::size_t>(item % n_tiles)];
+            const float* ct = pl.cos_tab.data() + std::size_t{rot.table} * pl.n_pairs;
+            const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
+            storage_type* tile = tile_ptr(item);
+            if (item + 2 < n_items) {
+                // NeoX walks a tile as two interleaved half-tile streams, which the
+                // hardware prefetcher follows poorly: ask for the tile after next.
+                const char* next = reinterpret_cast<const char*>(tile_ptr(item + 2));
+                for (std::size_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 1, 3);
+            }
+            if (path == kernel_path::simd) {
+                kernels::rotate_tile(tile, pl.n_rot, type, rot, ct, st);
+            } else {
+                kernels::rotate_tile_scalar(
+                    tile, pl.n_rot, type, rot, ct, st,
+                    [](storage_type x) {
+                        float f;
+                        element::to_float(&x, &f, 1);
+                        return f;
+                    },
+                    [](float f) {
+                        storage_type x;
+                        element::from_float(&f, &x, 1);
+                        return x;
+                    });
             }
         }
     }
