@@ -2,7 +2,8 @@
 // own measured bandwidth / FMA peak (bench_common.hpp) and against the plain scalar path.
 //
 // Names: attn_decode/<type>/n_kv:<cells>/threads:<t>, attn_decode/<type>/n_kv:<cells>/hkv:2/threads:<t>
-// (split-K), attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
+// (split-K), attn_decode_prefetch/<burst|interleaved>/<type>/n_kv:16384/threads:<t>,
+// attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
 // and *_scalar/... for the scalar reference. Shape: head_dim 128, 32 query heads, 8 KV heads.
 // Counters: bytes_per_second (decode, K-shift) or FLOP/s (prefill: unmasked query-key pairs
 // x heads x 4 x head_dim), bw_frac (achieved / measured read bandwidth for attention,
@@ -111,7 +112,8 @@ void report(benchmark::State& state, const kernel_timer& timer, double bytes, do
 // ---------------------------------------------------------------- attention decode
 
 template <class E>
-void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::uint32_t hkv, kvcache::ops::kernel_path path) {
+void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::uint32_t hkv, kvcache::ops::kernel_path path,
+                 kvcache::ops::prefetch_mode pm = kvcache::ops::prefetch_mode::automatic) {
     using T = typename E::storage_type;
     const std::size_t layer_bytes = std::size_t{n_kv} * hkv * head_dim * 2 * sizeof(T);
     const std::uint32_t n_layer = path == kvcache::ops::kernel_path::scalar ? 2 : cold_layers(layer_bytes);
@@ -125,6 +127,7 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
     p.n_head = nh;
     p.n_threads = threads;
     p.path = path;
+    p.prefetch = pm;
     kvcache::ops::attention_workspace ws;
     kvcache::ops::attention(*cache, 0, q.data(), &qp, &qs, 1, p, out.data(), ws);  // size the workspace
     std::uint32_t layer = 0;
@@ -225,6 +228,15 @@ void register_type() {
         benchmark::RegisterBenchmark(("attn_decode/" + t + "/n_kv:16384/hkv:2" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_decode<E>(st, 16384, th, 2, kernel_path::simd); })
             ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        // Both prefetch strategies side by side (the plain rows use prefetch_mode::automatic).
+        for (auto pm : {kvcache::ops::prefetch_mode::burst, kvcache::ops::prefetch_mode::interleaved}) {
+            const std::string pn = pm == kvcache::ops::prefetch_mode::burst ? "burst" : "interleaved";
+            benchmark::RegisterBenchmark(("attn_decode_prefetch/" + pn + "/" + t + "/n_kv:16384" + ts).c_str(),
+                                         [th, pm](benchmark::State& st) {
+                                             attn_decode<E>(st, 16384, th, n_head_kv_default, kernel_path::simd, pm);
+                                         })
+                ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        }
         benchmark::RegisterBenchmark(("attn_prefill/" + t + "/n_q:512/n_kv:512" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_prefill<E>(st, 512, th, kernel_path::simd); })
             ->UseRealTime()->Unit(benchmark::kMillisecond);

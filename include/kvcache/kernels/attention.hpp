@@ -22,6 +22,7 @@
 
 #include <xsimd/xsimd.hpp>
 
+#include <algorithm>  // std::min
 #include <bit>      // std::countr_zero
 #include <cmath>    // std::exp, std::tanh
 #include <cstddef>  // std::size_t
@@ -119,6 +120,7 @@ struct attn_shape {
     float scale = 1.0f;
     float softcap = 0.0f;
     std::int32_t window = 0;
+    bool interleaved_prefetch = false;  ///< see ops::prefetch_mode
 };
 
 /// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
@@ -164,6 +166,8 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // slot sees and fills its masks.
     std::size_t r = 0;
     std::uint32_t t = n_ranges > 0 ? ranges[0].t0 : 0;
+    std::uint32_t pf_t = 0;  // tile whose K/V the interleaved prefetch asks for
+    const bool vt_ok = kv.vl == v_layout::row_major;
     auto next_tile = [&](std::uint32_t* mask, std::uint32_t& any) -> bool {
         for (; r < n_ranges; ++r, t = r < n_ranges ? ranges[r].t0 : 0) {
             for (; t < ranges[r].t1; ++t) {
@@ -174,7 +178,8 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     any |= mask[s];
                 }
                 if (any != 0) {
-                    if (t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
+                    if (!sh.interleaved_prefetch && t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
+                    pf_t = t + prefetch_tiles < ranges[r].t1 ? t + prefetch_tiles : t;
                     return true;
                 }
             }
@@ -185,12 +190,25 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // ---- scores: sc[s] = q_s . K[:, cells of the tile]
     auto score_tile = [&](std::uint32_t tile, fbatch (&sc)[M][B]) {
         const T* kt = kv.k_tile_ptr(h, tile);
+        // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
+        // line of each per step of the loop below (same byte offset in both).
+        const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
+        const char* pfv = reinterpret_cast<const char*>(kv.v + h * kv.v_head_stride + std::size_t{pf_t} * k_tile * kv.dim_v);
+        const bool pf_k = sh.interleaved_prefetch, pf_v = pf_k && vt_ok;
         fbatch part[KC][M][B];
         for (std::size_t c = 0; c < KC; ++c)
             for (std::size_t s = 0; s < M; ++s)
                 for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
         std::uint32_t d = 0;
         for (; d + KC <= dk; d += KC) {
+            if (pf_k) {
+                constexpr std::size_t step = KC * k_tile * sizeof(T);  // bytes of K rows per step
+                const std::size_t off = std::size_t{d} * k_tile * sizeof(T);
+                for (std::size_t o = 0; o < (step > 64 ? step : 64); o += 64) {
+                    __builtin_prefetch(pfk + off + o, 0, 2);
+                    if (pf_v) __builtin_prefetch(pfv + off + o, 0, 2);  // (a prefetch never faults)
+                }
+            }
             for (std::size_t c = 0; c < KC; ++c) {
                 fbatch krow[B];
                 for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);

@@ -20,6 +20,16 @@
 KVCACHE_BEGIN_NAMESPACE
 namespace ops {
 
+/// How the attention kernel asks for K/V ahead of use (cold caches, long contexts).
+/// Which is faster depends on the core (bench/README.md, "Prefetch"): measured with
+/// kvcache_bench, `burst` was best on an AMD Zen 5 (the spread form cost it 13-20% of
+/// decode speed), `interleaved` on an Intel Xeon (1.7-1.9x the decode rate of `burst`).
+enum class prefetch_mode : std::uint8_t {
+    automatic = 0,    ///< interleaved on Intel CPUs, burst elsewhere
+    burst = 1,        ///< each visited tile asks for all of the tile 4 ahead at once
+    interleaved = 2,  ///< one line of that tile per step of the score loop
+};
+
 /// Attention options.
 struct attention_params {
     std::uint32_t n_head = 0;  ///< query heads; a multiple of the cache's n_head_kv (GQA)
@@ -28,7 +38,21 @@ struct attention_params {
     float softcap = 0.0f;      ///< > 0: logits = softcap * tanh(logits / softcap)
     int n_threads = 0;         ///< <= 0: the OpenMP default
     kernel_path path = kernel_path::simd;  ///< scalar: the plain reference loop (benchmarks)
+    prefetch_mode prefetch = prefetch_mode::automatic;  ///< K/V prefetch strategy (speed only)
 };
+
+namespace detail_attn {
+/// prefetch_mode::automatic resolved for this CPU (checked once).
+inline bool use_interleaved_prefetch(prefetch_mode m) noexcept {
+    if (m != prefetch_mode::automatic) return m == prefetch_mode::interleaved;
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    static const bool intel = __builtin_cpu_is("intel");
+    return intel;
+#else
+    return false;
+#endif
+}
+}  // namespace detail_attn
 
 /// Caller-owned scratch for attention(), reused across calls: it grows to the largest
 /// call seen and then the hot path allocates nothing. One workspace per calling thread.
@@ -301,6 +325,7 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     sh.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(dk));
     sh.softcap = p.softcap;
     sh.window = p.window;
+    sh.interleaved_prefetch = detail_attn::use_interleaved_prefetch(p.prefetch);
 
     const std::uint32_t n = cache.n_window();
     const std::uint32_t n_tiles = (n + k_tile - 1) / k_tile;
