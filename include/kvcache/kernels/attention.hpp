@@ -22,7 +22,6 @@
 
 #include <xsimd/xsimd.hpp>
 
-#include <algorithm>  // std::min
 #include <bit>      // std::countr_zero
 #include <cmath>    // std::exp, std::tanh
 #include <cstddef>  // std::size_t
@@ -237,7 +236,6 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     std::uint32_t mask[M], any = 0;
     while (next_tile(mask, any)) {
         const std::uint32_t tile = t++;
-        const std::uint32_t any_cur = any;
         fbatch sc[M][B];
         score_tile(tile, sc);
 
@@ -294,7 +292,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             vsrc = kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile * dv;
         } else {
             // Transposed V: gather the visible cells' rows into row-major scratch.
-            for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1) {
+            for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
                 const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
                 simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile + j, kv.n_cells_pad,
                                 vt_buf + std::size_t{j} * dv, dv);
@@ -318,10 +316,10 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                             for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
                         }
                     };
-                    if (any_cur == 0xffffu) {
+                    if (any == 0xffffu) {
                         for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
                     } else {
-                        for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1)
+                        for (std::uint32_t bits = any; bits != 0; bits &= bits - 1)
                             cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
                     }
                     for (std::size_t s = 0; s < MG; ++s)
@@ -334,7 +332,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     a[s] = fbatch::load_unaligned(st.acc + s * dv + d);
                     if (rescale) a[s] *= fbatch(alpha[s]);
                 }
-                for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1) {
+                for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
                     const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
                     const fbatch vr = simd::load(src + j * vstride + d);
                     for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * k_tile + j]), vr, a[s]);
@@ -345,7 +343,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 for (std::size_t s = 0; s < M; ++s) {
                     float a = st.acc[s * dv + d];
                     if (rescale) a *= alpha[s];
-                    for (std::uint32_t bits = any_cur; bits != 0; bits &= bits - 1) {
+                    for (std::uint32_t bits = any; bits != 0; bits &= bits - 1) {
                         const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
                         a += p_buf[s * k_tile + j] * simd::to_float(src[j * vstride + d]);
                     }

@@ -21,9 +21,9 @@ KVCACHE_BEGIN_NAMESPACE
 namespace ops {
 
 /// How the attention kernel asks for K/V ahead of use (cold caches, long contexts).
-/// Which is faster depends on the core (bench/README.md, "Prefetch"): measured with
+/// Which is faster depends on the core (bench/README.md, 16-core section): measured with
 /// kvcache_bench, `burst` was best on an AMD Zen 5 (the spread form cost it 13-20% of
-/// decode speed), `interleaved` on an Intel Xeon (1.7-1.9x the decode rate of `burst`).
+/// decode speed), `interleaved` on an Intel Xeon (1.2-2.7x the decode rate of `burst`).
 enum class prefetch_mode : std::uint8_t {
     automatic = 0,    ///< interleaved on Intel CPUs, burst elsewhere
     burst = 1,        ///< each visited tile asks for all of the tile 4 ahead at once
