@@ -54,3 +54,15 @@ static_assert(KVCACHE_MAX_SEQ > 0 && KVCACHE_MAX_SEQ % 64 == 0,
 #if defined(_OPENMP)
 #include <omp.h>  // omp_get_thread_num etc. for kernels that split work by hand
 #endif
+
+KVCACHE_BEGIN_NAMESPACE
+/// Threads a kernel call uses: n > 0 as asked, otherwise the OpenMP default; 1 without OpenMP.
+inline int resolve_threads(int n) noexcept {
+#if defined(_OPENMP)
+    return n > 0 ? n : omp_get_max_threads();
+#else
+    static_cast<void>(n);
+    return 1;
+#endif
+}
+KVCACHE_END_NAMESPACE

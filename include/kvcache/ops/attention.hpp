@@ -315,10 +315,7 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     using T = typename Cache::storage_type;
     const model_shape& s = cache.shape();
     const std::uint32_t dk = s.dim_k(), dv = s.dim_v(), hkv = s.n_head_kv, group = p.n_head / hkv;
-    int threads = 1;
-#if defined(_OPENMP)
-    threads = p.n_threads > 0 ? p.n_threads : omp_get_max_threads();
-#endif
+    const int threads = resolve_threads(p.n_threads);
     kernels::attn_shape sh;
     sh.dk = dk;
     sh.dv = dv;

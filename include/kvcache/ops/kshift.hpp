@@ -117,10 +117,7 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
         const rope_type type = shape.rope.type;
         const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
         const std::size_t tile_bytes = std::size_t{k_tile} * shape.dim_k() * sizeof(storage_type);
-        int threads = 1;
-#if defined(_OPENMP)
-        threads = n_threads > 0 ? n_threads : omp_get_max_threads();
-#endif
+        const int threads = resolve_threads(n_threads);
         static_cast<void>(threads);
         std::vector<kv_layer_view<storage_type>> views;
         views.reserve(shape.n_layer);
