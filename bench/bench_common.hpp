@@ -32,14 +32,7 @@
 namespace kvcache::bench {
 
 /// Threads an OpenMP region will use for a requested count (<= 0: the OpenMP default).
-inline int resolve_threads(int t) {
-#if defined(_OPENMP)
-    return t > 0 ? t : omp_get_max_threads();
-#else
-    static_cast<void>(t);
-    return 1;
-#endif
-}
+using kvcache::resolve_threads;
 
 /// Bytes of the yardstick buffer (and of the working set kernels rotate over for a cold
 /// cache): 1 GiB by default, far more than the L3 one core can use on current x86 server
