@@ -135,7 +135,8 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
     // V accumulation in groups of MG slots and VB d-blocks: MG x VB accumulators (16 for
     // M >= 4), each converted V vector feeds MG FMAs and each broadcast p feeds VB.
-    // Broadcasts cost an FP issue slot like an FMA on the machines measured, so VB >= 2
+    // An FMA fed by its own broadcast ran at 0.71-0.78 cycles on Zen 5 against 0.53 when
+    // one broadcast feeds 4 FMAs (bench/README.md, decode cycles), so VB >= 2
     // even for M = 16 (two groups of 8: each V vector is converted twice, but half as
     // many broadcasts are issued as with one group and VB = 1).
     constexpr std::size_t MG = M > 8 ? 8 : M;
@@ -166,7 +167,6 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     std::size_t r = 0;
     std::uint32_t t = n_ranges > 0 ? ranges[0].t0 : 0;
     std::uint32_t pf_t = 0;  // tile whose K/V the interleaved prefetch asks for
-    const bool vt_ok = kv.vl == v_layout::row_major;
     auto next_tile = [&](std::uint32_t* mask, std::uint32_t& any) -> bool {
         for (; r < n_ranges; ++r, t = r < n_ranges ? ranges[r].t0 : 0) {
             for (; t < ranges[r].t1; ++t) {
@@ -193,7 +193,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
         // line of each per step of the loop below (same byte offset in both).
         const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
         const char* pfv = reinterpret_cast<const char*>(kv.v + h * kv.v_head_stride + std::size_t{pf_t} * k_tile * kv.dim_v);
-        const bool pf_k = sh.interleaved_prefetch, pf_v = pf_k && vt_ok;
+        const bool pf_k = sh.interleaved_prefetch, pf_v = pf_k && !vt;
         fbatch part[KC][M][B];
         for (std::size_t c = 0; c < KC; ++c)
             for (std::size_t s = 0; s < M; ++s)

@@ -101,9 +101,9 @@ defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
     const model_shape& shape = cache.shape();
     using T = typename Cache::storage_type;
     const auto n_layer = static_cast<std::int64_t>(shape.n_layer);
-    const int threads = p.n_threads;
+    const int threads = resolve_threads(p.n_threads);
     static_cast<void>(threads);
-    KVCACHE_OMP(parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads()))
+    KVCACHE_OMP(parallel for schedule(static) num_threads(threads))
     for (std::int64_t l = 0; l < n_layer; ++l) {
         const auto v = storage.view(static_cast<std::uint32_t>(l));
         for (std::uint32_t h = 0; h < v.n_head_kv; ++h)

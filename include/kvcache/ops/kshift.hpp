@@ -45,10 +45,10 @@ plan make_plan(const Cache& cache, int n_threads) {
     for (std::uint32_t i = 0; i < pl.n_pairs; ++i) inv_freq[i] = kernels::rope_inv_freq(shape.rope, pl.n_rot, i);
     pl.cos_tab.resize(pl.deltas.size() * pl.n_pairs);
     pl.sin_tab.resize(pl.deltas.size() * pl.n_pairs);
-    const int threads = n_threads;
+    const int threads = resolve_threads(n_threads);
     static_cast<void>(threads);
     // Each distinct delta's table once (costly only when there are many distinct deltas).
-    KVCACHE_OMP(parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads()) if (n_deltas > 64))
+    KVCACHE_OMP(parallel for schedule(static) num_threads(threads) if (n_deltas > 64))
     for (std::int64_t k = 0; k < n_deltas; ++k)
         kernels::rope_cos_sin(pl.deltas[static_cast<std::size_t>(k)], inv_freq.data(), pl.n_pairs,
                               pl.cos_tab.data() + k * pl.n_pairs, pl.sin_tab.data() + k * pl.n_pairs);
