@@ -12,11 +12,15 @@
 // up). When every moving cell of a tile shares one delta (the usual seq_add case)
 // the cos/sin are broadcast scalars from a per-delta table that stays in L1, so the
 // kernel streams K once (read + write in place). Lanes outside the mask are written
-// back unchanged (a blend), never rotated: free cells may hold garbage.
+// back unchanged (a blend), never rotated: free cells may hold garbage. The pair loop
+// is branch-free (uniform / partial are template flags): a loop over a runtime chunk
+// count with the pairs' rows in arrays compiled to stack spills and ran at half the
+// speed of the f16 in-place bandwidth even in L2 (Zen 5: 160 vs 88 ns per tile).
 #pragma once
 
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
+#include <type_traits>  // std::true_type
 
 #include "../config.hpp"
 #include "../layout/kv_storage.hpp"
@@ -38,58 +42,67 @@ struct tile_rotation {
     const float* lane_sin = nullptr;
 };
 
+/// Rotates n_pairs row pairs (p, p + off), (p + step, p + step + off), ... of one
+/// sub-batch of lanes. Uniform: pair i uses the scalars cs[i], sn[i]; otherwise the
+/// lanes at cs + i * k_tile, sn + i * k_tile. Partial: lanes outside `keep` are written
+/// back unchanged. The flags are template parameters so that the loop has no branch.
+template <bool Uniform, bool Partial, class T>
+inline void rotate_rows(T* p, std::size_t step, std::size_t off, std::uint32_t n_pairs, const float* cs,
+                        const float* sn, xsimd::batch_bool<float> keep) noexcept {
+    using simd::fbatch;
+#pragma GCC unroll 4
+    for (std::uint32_t i = 0; i < n_pairs; ++i, p += step) {
+        const fbatch x0 = simd::load(p), x1 = simd::load(p + off);
+        const fbatch c = Uniform ? fbatch(cs[i]) : fbatch::load_unaligned(cs + std::size_t{i} * k_tile);
+        const fbatch s = Uniform ? fbatch(sn[i]) : fbatch::load_unaligned(sn + std::size_t{i} * k_tile);
+        fbatch y0 = xsimd::fms(x0, c, x1 * s);
+        fbatch y1 = xsimd::fma(x0, s, x1 * c);
+        if constexpr (Partial) {
+            y0 = xsimd::select(keep, y0, x0);
+            y1 = xsimd::select(keep, y1, x1);
+        }
+        simd::store(p, y0);
+        simd::store(p + off, y1);
+    }
+}
+
 /// Rotates one K tile of one head in place.
 /// cos_tab / sin_tab: n_pairs floats of the uniform delta (when rot.uniform).
 template <class T>
 inline void rotate_tile(T* tile, std::uint32_t n_rot, rope_type type, const tile_rotation& rot,
                         const float* cos_tab, const float* sin_tab) noexcept {
-    using simd::fbatch;
     constexpr std::size_t L = simd::lanes;
     const std::uint32_t n_pairs = n_rot / 2;
-    const bool full = rot.mask == 0xffffu;
-    // Per-batch lane masks: lanes of sub-batch b are bits [b*L, b*L + L) of rot.mask.
+    // Pair i is rows (2i, 2i + 1) for normal RoPE, (i, i + n_pairs) for NeoX.
+    std::uint32_t d0 = 0, d1 = 0;
+    rope_pair(type, n_rot, 0, d0, d1);
+    std::uint32_t e0 = 0, e1 = 0;
+    rope_pair(type, n_rot, n_pairs > 1 ? 1 : 0, e0, e1);
+    const std::size_t step = std::size_t{e0 - d0} * k_tile, off = std::size_t{d1 - d0} * k_tile;
+    // Lanes of sub-batch b are bits [b*L, b*L + L) of rot.mask.
     for (std::size_t b = 0; b < k_tile / L; ++b) {
         const auto sub = static_cast<std::uint32_t>((rot.mask >> (b * L)) & ((1u << L) - 1u));
         if (sub == 0) continue;
+        T* p = tile + std::size_t{d0} * k_tile + b * L;
         const auto keep = simd::lane_mask(sub);
-        // Pairs in chunks of CH: all loads of a chunk first, so that NeoX (whose partner
-        // rows are half a tile apart) reads CH consecutive rows of each half in one burst
-        // instead of alternating between the halves row by row.
-        constexpr std::uint32_t CH = 8;
-        for (std::uint32_t i0 = 0; i0 < n_pairs; i0 += CH) {
-            const std::uint32_t nc = n_pairs - i0 < CH ? n_pairs - i0 : CH;
-            fbatch x0[CH], x1[CH];
-            T* r0[CH];
-            T* r1[CH];
-            for (std::uint32_t u = 0; u < nc; ++u) {
-                std::uint32_t d0, d1;
-                rope_pair(type, n_rot, i0 + u, d0, d1);
-                r0[u] = tile + std::size_t{d0} * k_tile + b * L;
-                r1[u] = tile + std::size_t{d1} * k_tile + b * L;
-                x0[u] = simd::load(r0[u]);
-            }
-            for (std::uint32_t u = 0; u < nc; ++u) x1[u] = simd::load(r1[u]);
-            for (std::uint32_t u = 0; u < nc; ++u) {
-                const std::uint32_t i = i0 + u;
-                fbatch c, s;
-                if (rot.uniform) {
-                    c = fbatch(cos_tab[i]);
-                    s = fbatch(sin_tab[i]);
-                } else {
-                    c = fbatch::load_unaligned(rot.lane_cos + std::size_t{i} * k_tile + b * L);
-                    s = fbatch::load_unaligned(rot.lane_sin + std::size_t{i} * k_tile + b * L);
-                }
-                fbatch y0 = xsimd::fms(x0[u], c, x1[u] * s);
-                fbatch y1 = xsimd::fma(x0[u], s, x1[u] * c);
-                if (!full) {
-                    y0 = xsimd::select(keep, y0, x0[u]);
-                    y1 = xsimd::select(keep, y1, x1[u]);
-                }
-                x0[u] = y0;
-                x1[u] = y1;
-            }
-            for (std::uint32_t u = 0; u < nc; ++u) simd::store(r0[u], x0[u]);
-            for (std::uint32_t u = 0; u < nc; ++u) simd::store(r1[u], x1[u]);
+        const bool partial = sub != (1u << L) - 1u;
+        auto run = [&](auto uniform, auto part, const float* c, const float* sn) {
+            rotate_rows<decltype(uniform)::value, decltype(part)::value>(p, step, off, n_pairs, c, sn, keep);
+        };
+        using yes = std::true_type;
+        using no = std::false_type;
+        if (rot.uniform) {
+            if (partial)
+                run(yes{}, yes{}, cos_tab, sin_tab);
+            else
+                run(yes{}, no{}, cos_tab, sin_tab);
+        } else {
+            const float* lc = rot.lane_cos + b * L;
+            const float* ls = rot.lane_sin + b * L;
+            if (partial)
+                run(no{}, yes{}, lc, ls);
+            else
+                run(no{}, no{}, lc, ls);
         }
     }
 }
