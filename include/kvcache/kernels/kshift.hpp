@@ -46,12 +46,16 @@ struct tile_rotation {
 /// sub-batch of lanes. Uniform: pair i uses the scalars cs[i], sn[i]; otherwise the
 /// lanes at cs + i * k_tile, sn + i * k_tile. Partial: lanes outside `keep` are written
 /// back unchanged. The flags are template parameters so that the loop has no branch.
+/// pf (may be null): a tile rotated later; pair i asks for its bytes [i, i + 1) * pf_step.
 template <bool Uniform, bool Partial, class T>
 inline void rotate_rows(T* p, std::size_t step, std::size_t off, std::uint32_t n_pairs, const float* cs,
-                        const float* sn, xsimd::batch_bool<float> keep) noexcept {
+                        const float* sn, xsimd::batch_bool<float> keep, const char* pf) noexcept {
     using simd::fbatch;
+    constexpr std::size_t pf_step = 2 * k_tile * sizeof(T);  // bytes of one pair's two rows
 #pragma GCC unroll 4
     for (std::uint32_t i = 0; i < n_pairs; ++i, p += step) {
+        if (pf != nullptr)
+            for (std::size_t o = 0; o < pf_step; o += 64) __builtin_prefetch(pf + std::size_t{i} * pf_step + o, 1, 3);
         const fbatch x0 = simd::load(p), x1 = simd::load(p + off);
         const fbatch c = Uniform ? fbatch(cs[i]) : fbatch::load_unaligned(cs + std::size_t{i} * k_tile);
         const fbatch s = Uniform ? fbatch(sn[i]) : fbatch::load_unaligned(sn + std::size_t{i} * k_tile);
@@ -68,9 +72,10 @@ inline void rotate_rows(T* p, std::size_t step, std::size_t off, std::uint32_t n
 
 /// Rotates one K tile of one head in place.
 /// cos_tab / sin_tab: n_pairs floats of the uniform delta (when rot.uniform).
+/// pf (may be null): a tile rotated later, whose moving rows are prefetched meanwhile.
 template <class T>
 inline void rotate_tile(T* tile, std::uint32_t n_rot, rope_type type, const tile_rotation& rot,
-                        const float* cos_tab, const float* sin_tab) noexcept {
+                        const float* cos_tab, const float* sin_tab, const char* pf = nullptr) noexcept {
     constexpr std::size_t L = simd::lanes;
     const std::uint32_t n_pairs = n_rot / 2;
     // Pair i is rows (2i, 2i + 1) for normal RoPE, (i, i + n_pairs) for NeoX.
@@ -87,7 +92,7 @@ inline void rotate_tile(T* tile, std::uint32_t n_rot, rope_type type, const tile
         const auto keep = simd::lane_mask(sub);
         const bool partial = sub != (1u << L) - 1u;
         auto run = [&](auto uniform, auto part, const float* c, const float* sn) {
-            rotate_rows<decltype(uniform)::value, decltype(part)::value>(p, step, off, n_pairs, c, sn, keep);
+            rotate_rows<decltype(uniform)::value, decltype(part)::value>(p, step, off, n_pairs, c, sn, keep, b == 0 ? pf : nullptr);
         };
         using yes = std::true_type;
         using no = std::false_type;

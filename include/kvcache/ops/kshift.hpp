@@ -116,7 +116,6 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
         const std::uint32_t n_head_kv = shape.n_head_kv;
         const rope_type type = shape.rope.type;
         const bool neox = type == rope_type::neox;
-        const std::size_t tile_bytes = std::size_t{k_tile} * pl.n_rot * sizeof(storage_type);  // rows that move
         const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
         const int threads = resolve_threads(n_threads);
         static_cast<void>(threads);
@@ -140,16 +139,15 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
             const float* ct = pl.cos_tab.data() + std::size_t{rot.table} * pl.n_pairs;
             const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
             storage_type* tile = tile_ptr(item);
-            if (neox && item + 2 < n_items) {
-                // NeoX walks a tile as two streams half a tile apart, which the hardware
-                // prefetcher follows poorly: ask for the tile after next (Zen 5, 1 thread:
-                // 0.85-0.88 of the in-place bandwidth with, 0.5-0.75 without). Normal RoPE
-                // walks the tile in address order and is faster without (0.95-1.0 vs 0.87).
-                const char* next = reinterpret_cast<const char*>(tile_ptr(item + 2));
-                for (std::size_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 1, 3);
-            }
+            // NeoX walks a tile as two streams half a tile apart, which the hardware
+            // prefetcher follows poorly: the kernel asks for the tile after next, one line
+            // per row pair as it goes (Zen 5, 1 thread, f16: 0.75-0.9 of the in-place
+            // bandwidth with it, ~0.5 without). A burst of prefetches per tile did as well
+            // or worse and swung by 2x with the code alignment of its loop. Normal RoPE walks
+            // the tile in address order and is faster without (0.95-1.0 vs 0.87).
+            const char* ahead = neox && item + 2 < n_items ? reinterpret_cast<const char*>(tile_ptr(item + 2)) : nullptr;
             if (path == kernel_path::simd) {
-                kernels::rotate_tile(tile, pl.n_rot, type, rot, ct, st);
+                kernels::rotate_tile(tile, pl.n_rot, type, rot, ct, st, ahead);
             } else {
                 kernels::rotate_tile_scalar(
                     tile, pl.n_rot, type, rot, ct, st,
