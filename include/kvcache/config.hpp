@@ -65,4 +65,15 @@ inline int resolve_threads(int n) noexcept {
     return 1;
 #endif
 }
+
+/// True on Intel x86 CPUs (checked once). The kernels pick their prefetch strategy by it
+/// where Intel and AMD cores measured differently (bench/README.md).
+inline bool cpu_is_intel() noexcept {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    static const bool intel = __builtin_cpu_is("intel");
+    return intel;
+#else
+    return false;
+#endif
+}
 KVCACHE_END_NAMESPACE

@@ -45,12 +45,7 @@ namespace detail_attn {
 /// prefetch_mode::automatic resolved for this CPU (checked once).
 inline bool use_interleaved_prefetch(prefetch_mode m) noexcept {
     if (m != prefetch_mode::automatic) return m == prefetch_mode::interleaved;
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-    static const bool intel = __builtin_cpu_is("intel");
-    return intel;
-#else
-    return false;
-#endif
+    return cpu_is_intel();
 }
 }  // namespace detail_attn
 
