@@ -88,19 +88,6 @@ inline std::uint32_t visible_mask(const attn_meta& m, std::uint32_t t, const att
 /// one: ~64 rows, about one DRAM latency of work at the rate one core consumes them.
 inline constexpr std::uint32_t prefetch_tiles = 4;
 
-/// Prefetches tile t of head h (K tile and row-major V rows) into L2.
-template <class T>
-inline void prefetch_tile(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t t) noexcept {
-    const char* k = reinterpret_cast<const char*>(kv.k_tile_ptr(h, t));
-    const std::size_t k_bytes = std::size_t{k_tile} * kv.dim_k * sizeof(T);
-    for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(k + off, 0, 2);
-    if (kv.vl == v_layout::row_major) {
-        const char* v = reinterpret_cast<const char*>(kv.v + h * kv.v_head_stride + std::size_t{t} * k_tile * kv.dim_v);
-        const std::size_t v_bytes = std::size_t{k_tile} * kv.dim_v * sizeof(T);
-        for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(v + off, 0, 2);
-    }
-}
-
 /// How far (in logits) the running max may lag behind the true max before the kernel
 /// rescales: exp(8) ~ 3e3, far from f32 overflow even summed over 2^30 cells.
 inline constexpr float rescale_margin = 8.0f;
@@ -177,7 +164,20 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     any |= mask[s];
                 }
                 if (any != 0) {
-                    if (!sh.interleaved_prefetch && t + prefetch_tiles < ranges[r].t1) prefetch_tile(kv, h, t + prefetch_tiles);
+                    if (!sh.interleaved_prefetch && t + prefetch_tiles < ranges[r].t1) {
+                        // Burst: all of the K tile and V rows prefetch_tiles ahead, now. Written
+                        // out here on purpose: in a helper function of their own, GCC deems the
+                        // prefetches side-effect free and deletes the call.
+                        const char* pk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, t + prefetch_tiles));
+                        const std::size_t k_bytes = std::size_t{k_tile} * kv.dim_k * sizeof(T);
+                        for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2);
+                        if (!vt) {
+                            const char* pv = reinterpret_cast<const char*>(
+                                kv.v + h * kv.v_head_stride + std::size_t{t + prefetch_tiles} * k_tile * kv.dim_v);
+                            const std::size_t v_bytes = std::size_t{k_tile} * kv.dim_v * sizeof(T);
+                            for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(pv + off, 0, 2);
+                        }
+                    }
                     pf_t = t + prefetch_tiles < ranges[r].t1 ? t + prefetch_tiles : t;
                     return true;
                 }
