@@ -2,7 +2,7 @@
 // own measured bandwidth / FMA peak (bench_common.hpp) and against the plain scalar path.
 //
 // Names: attn_decode/<type>/n_kv:<cells>/threads:<t>, attn_decode/<type>/n_kv:<cells>/hkv:2/threads:<t>
-// (split-K), attn_decode_prefetch/<burst|interleaved>/<type>/n_kv:16384/threads:<t>,
+// (split-K), attn_decode_prefetch/<none|burst|interleaved>/<type>/n_kv:16384/threads:<t>,
 // attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
 // and *_scalar/... for the scalar reference. Shape: head_dim 128, 32 query heads, 8 KV heads.
 // Counters: bytes_per_second (decode, K-shift) or FLOP/s (prefill: unmasked query-key pairs
@@ -235,9 +235,12 @@ void register_type() {
         benchmark::RegisterBenchmark(("attn_decode/" + t + "/n_kv:16384/hkv:2" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_decode<E>(st, 16384, th, 2, kernel_path::simd); })
             ->UseRealTime()->Unit(benchmark::kMicrosecond);
-        // Both prefetch strategies side by side (the plain rows use prefetch_mode::automatic).
-        for (auto pm : {kvcache::ops::prefetch_mode::burst, kvcache::ops::prefetch_mode::interleaved}) {
-            const std::string pn = pm == kvcache::ops::prefetch_mode::burst ? "burst" : "interleaved";
+        // The prefetch strategies side by side (the plain rows use prefetch_mode::automatic).
+        for (auto pm : {kvcache::ops::prefetch_mode::none, kvcache::ops::prefetch_mode::burst,
+                        kvcache::ops::prefetch_mode::interleaved}) {
+            const std::string pn = pm == kvcache::ops::prefetch_mode::none    ? "none"
+                                   : pm == kvcache::ops::prefetch_mode::burst ? "burst"
+                                                                              : "interleaved";
             benchmark::RegisterBenchmark(("attn_decode_prefetch/" + pn + "/" + t + "/n_kv:16384" + ts).c_str(),
                                          [th, pm](benchmark::State& st) {
                                              attn_decode<E>(st, 16384, th, n_head_kv_default, kernel_path::simd, pm);

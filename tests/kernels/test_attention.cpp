@@ -183,8 +183,9 @@ void check_case(scenario_cfg c, std::uint32_t seed, std::uint32_t group, std::ui
         std::vector<float> out_s(out.size());
         kvcache::ops::attention(cache, layer, qs.q.data(), qs.pos.data(), qs.seq.data(), n_q, ps, out_s.data(), ws);
         CHECK(nmse(out_s, want) <= tol_self);
-        // The prefetch strategy changes speed only: both give the automatic choice's bits.
-        for (auto pm : {kvcache::ops::prefetch_mode::burst, kvcache::ops::prefetch_mode::interleaved}) {
+        // The prefetch strategy changes speed only: every mode gives the automatic choice's bits.
+        for (auto pm : {kvcache::ops::prefetch_mode::none, kvcache::ops::prefetch_mode::burst,
+                        kvcache::ops::prefetch_mode::interleaved}) {
             auto pp = p;
             pp.prefetch = pm;
             std::vector<float> out_p(out.size(), -2.0f);

@@ -106,6 +106,7 @@ struct attn_shape {
     float scale = 1.0f;
     float softcap = 0.0f;
     std::int32_t window = 0;
+    bool burst_prefetch = false;        ///< see ops::prefetch_mode
     bool interleaved_prefetch = false;  ///< see ops::prefetch_mode
 };
 
@@ -164,7 +165,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     any |= mask[s];
                 }
                 if (any != 0) {
-                    if (!sh.interleaved_prefetch && t + prefetch_tiles < ranges[r].t1) {
+                    if (sh.burst_prefetch && t + prefetch_tiles < ranges[r].t1) {
                         // Burst: all of the K tile and V rows prefetch_tiles ahead, now. Written
                         // out here on purpose: in a helper function of their own, GCC deems the
                         // prefetches side-effect free and deletes the call.

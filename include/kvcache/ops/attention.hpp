@@ -21,13 +21,15 @@ KVCACHE_BEGIN_NAMESPACE
 namespace ops {
 
 /// How the attention kernel asks for K/V ahead of use (cold caches, long contexts).
-/// Which is faster depends on the core (bench/README.md, 16-core section): measured with
-/// kvcache_bench, `burst` was best on an AMD Zen 5 (the spread form cost it 13-20% of
-/// decode speed), `interleaved` on an Intel Xeon (1.2-2.7x the decode rate of `burst`).
+/// Which is fastest depends on the core (bench/README.md): measured with kvcache_bench,
+/// `interleaved` was best on an Intel Xeon (0.91 of read bandwidth on one thread against
+/// 0.62 for `burst`), `none` on an AMD Zen 5 (its hardware prefetcher keeps up; `burst`
+/// cost it 37%, `interleaved` 0-7%).
 enum class prefetch_mode : std::uint8_t {
-    automatic = 0,    ///< interleaved on Intel CPUs, burst elsewhere
+    automatic = 0,    ///< interleaved on Intel CPUs, none elsewhere
     burst = 1,        ///< each visited tile asks for all of the tile 4 ahead at once
     interleaved = 2,  ///< one line of that tile per step of the score loop
+    none = 3,         ///< no software prefetch (the hardware prefetchers only)
 };
 
 /// Attention options.
@@ -43,9 +45,9 @@ struct attention_params {
 
 namespace detail_attn {
 /// prefetch_mode::automatic resolved for this CPU (checked once).
-inline bool use_interleaved_prefetch(prefetch_mode m) noexcept {
-    if (m != prefetch_mode::automatic) return m == prefetch_mode::interleaved;
-    return cpu_is_intel();
+inline prefetch_mode resolve_prefetch(prefetch_mode m) noexcept {
+    if (m != prefetch_mode::automatic) return m;
+    return cpu_is_intel() ? prefetch_mode::interleaved : prefetch_mode::none;
 }
 }  // namespace detail_attn
 
@@ -317,7 +319,11 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     sh.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(dk));
     sh.softcap = p.softcap;
     sh.window = p.window;
-    sh.interleaved_prefetch = detail_attn::use_interleaved_prefetch(p.prefetch);
+    {
+        const prefetch_mode pm = detail_attn::resolve_prefetch(p.prefetch);
+        sh.burst_prefetch = pm == prefetch_mode::burst;
+        sh.interleaved_prefetch = pm == prefetch_mode::interleaved;
+    }
 
     const std::uint32_t n = cache.n_window();
     const std::uint32_t n_tiles = (n + k_tile - 1) / k_tile;
