@@ -134,8 +134,15 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     const std::uint32_t dk = sh.dk, dv = sh.dv;
     const bool vt = kv.vl == v_layout::transposed;
     // The M queries, pre-scaled, interleaved [d][slot]: one base pointer for every broadcast.
-    for (std::uint32_t d = 0; d < dk; ++d)
-        for (std::size_t s = 0; s < M; ++s) q_buf[std::size_t{d} * M + s] = slots[s].active ? slots[s].q[d] * sh.scale : 0.0f;
+    // Slot-major: each query row is read in address order (d-major reads touched 16 rows'
+    // lines at once and stalled on them: ~10% of a 512-row prefill on Zen 5).
+    for (std::size_t s = 0; s < M; ++s) {
+        const float* q = slots[s].q;
+        if (slots[s].active)
+            for (std::uint32_t d = 0; d < dk; ++d) q_buf[std::size_t{d} * M + s] = q[d] * sh.scale;
+        else
+            for (std::uint32_t d = 0; d < dk; ++d) q_buf[std::size_t{d} * M + s] = 0.0f;
+    }
 
     // Per-lane partial sums of exp(logit - m): one horizontal add per item, not per tile.
     // (L is a power of two, so st.l / L spread over the lanes of block 0 sums back exactly.)
