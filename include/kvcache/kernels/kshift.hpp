@@ -18,8 +18,8 @@
 // speed of the f16 in-place bandwidth even in L2 (Zen 5: 160 vs 88 ns per tile).
 #pragma once
 
-#include <cstddef>  // std::size_t
-#include <cstdint>  // fixed-width integers
+#include <cstddef>      // std::size_t
+#include <cstdint>      // fixed-width integers
 #include <type_traits>  // std::true_type
 
 #include "../config.hpp"
