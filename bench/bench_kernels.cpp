@@ -4,6 +4,7 @@
 // Names: attn_decode/<type>/n_kv:<cells>/threads:<t>, attn_decode/<type>/n_kv:<cells>/hkv:2/threads:<t>
 // (split-K), attn_decode_prefetch/<none|burst|interleaved>/<type>/n_kv:16384/threads:<t>,
 // attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
+// membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
 // and *_scalar/... for the scalar reference. Shape: head_dim 128, 32 query heads, 8 KV heads.
 // Counters: bytes_per_second (decode, K-shift) or FLOP/s (prefill: unmasked query-key pairs
 // x heads x 4 x head_dim), bw_frac (achieved / measured read bandwidth for attention,
@@ -169,6 +170,49 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
     report(state, timer, bytes, 0.0, fmas, kb::measure_read_bw(threads, true), threads);
 }
 
+// ---------------------------------------------------------------- decode's access pattern, no arithmetic
+
+// Reads the yardstick buffer the way decode reads one KV head: each thread's part is cut
+// into two halves ("K" and "V") read alternately 4 KiB at a time (one f16 K tile, then
+// the 16 V rows of the same cells). bw_frac against the plain read yardstick says how much
+// of it this access pattern alone can reach on this machine, before any compute.
+void membw_kv_pattern(benchmark::State& state, int threads) {
+    namespace kd = kb::detail;
+    std::size_t n;
+    const float* buf = kd::yardstick(n);
+    constexpr std::size_t step = 4096 / sizeof(float);
+    float sink = 0.0f;
+    kernel_timer timer;
+    for (auto _ : state) {
+        timer.run([&] {
+            float total = 0.0f;
+            KVCACHE_OMP(parallel num_threads(threads) reduction(+ : total))
+            {
+                std::size_t b, e;
+                kd::chunk(n, kb::resolve_threads(threads), kd::thread_id(), b, e);
+                const std::size_t half = (e - b) / 2 / step * step;
+                for (std::size_t o = 0; o < half; o += step) {
+                    total += kd::read_range(buf, b + o, b + o + step);
+                    total += kd::read_range(buf, b + half + o, b + half + o + step);
+                }
+            }
+            sink += total;
+        });
+    }
+    benchmark::DoNotOptimize(sink);
+    const std::size_t parts = static_cast<std::size_t>(kb::resolve_threads(threads));
+    double bytes = 0.0;
+    for (std::size_t k = 0; k < parts; ++k) {
+        std::size_t b, e;
+        kd::chunk(n, static_cast<int>(parts), static_cast<int>(k), b, e);
+        bytes += 2.0 * static_cast<double>((e - b) / 2 / step * step * sizeof(float));
+    }
+    const double iters = static_cast<double>(state.iterations());
+    state.counters["threads"] = threads;
+    state.SetBytesProcessed(static_cast<std::int64_t>(bytes * iters));
+    state.counters["bw_frac"] = bytes * iters / (timer.total > 0.0 ? timer.total : 1e-30) / kb::measure_read_bw(threads, true);
+}
+
 // ---------------------------------------------------------------- attention prefill
 
 template <class E>
@@ -273,6 +317,10 @@ void register_type() {
 }
 
 const bool registered = [] {
+    for (int th : {1, 2, 4, 8, 16})
+        benchmark::RegisterBenchmark(("membw_kv_pattern/threads:" + std::to_string(th)).c_str(),
+                                     [th](benchmark::State& st) { membw_kv_pattern(st, th); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
     register_type<kvcache::f16>();
     register_type<kvcache::f32>();
     register_type<kvcache::bf16>();
