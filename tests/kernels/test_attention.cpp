@@ -21,6 +21,8 @@ using kvcache::seq_id_t;
 struct scenario_cfg {
     std::uint32_t n_head_kv = 2, dk = 64, dv = 0, n_cells = 200, n_seq = 3, rounds = 30;
     bool holes = true, shared = true;
+    kvcache::rope_type rope = kvcache::rope_type::normal;  // NeoX stores K rows in pair order
+    std::uint32_t n_rot = 0;                               // 0: head_dim_k
 };
 
 kvcache::model_shape make_shape(const scenario_cfg& c) {
@@ -31,6 +33,8 @@ kvcache::model_shape make_shape(const scenario_cfg& c) {
     s.head_dim_v = c.dv;
     s.n_cells = c.n_cells;
     s.n_seq_max = c.n_seq + 1;  // the last sequence stays empty unless seq_cp fills it
+    s.rope.type = c.rope;
+    s.rope.n_rot = c.n_rot;
     return s;
 }
 
@@ -137,6 +141,8 @@ void check_case(scenario_cfg c, std::uint32_t seed, std::uint32_t group, std::ui
     CAPTURE(c.dk);
     CAPTURE(c.dv);
     CAPTURE(c.n_cells);
+    CAPTURE(static_cast<int>(c.rope));
+    CAPTURE(c.n_rot);
     CAPTURE(group);
     CAPTURE(n_q);
     CAPTURE(p.window);
@@ -225,6 +231,10 @@ TEST_CASE_TEMPLATE("attention matches the float64 oracle over random shapes", C,
         c.n_cells = 17 + rng() % 300;  // rarely a multiple of any vector width
         c.n_seq = 1 + rng() % 4;
         c.rounds = 10 + rng() % 40;
+        if (it % 2 == 1) {  // NeoX, full and partial rotary: q is permuted to K's row order
+            c.rope = kvcache::rope_type::neox;
+            c.n_rot = it % 4 == 1 ? 0 : c.dk / 2 / 2 * 2;
+        }
         const std::uint32_t group = groups[it % 4];
         kvcache::ops::attention_params p;
         p.n_threads = 1 + static_cast<int>(rng() % 3);
@@ -246,6 +256,7 @@ TEST_CASE_TEMPLATE("attention decode with split-K matches the oracle", C,
         c.n_cells = 1500;
         c.n_seq = 1;
         c.rounds = 300;
+        if (threads % 2 == 1) c.rope = kvcache::rope_type::neox;
         kvcache::ops::attention_params p;
         p.n_threads = threads;
         check_case<typename C::cache>(c, 777u + static_cast<std::uint32_t>(threads), 4, 1, p, 1e-10, C::tol_f32);

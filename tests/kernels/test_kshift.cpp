@@ -299,8 +299,8 @@ TEST_CASE("rope_rows: bad arguments throw and change nothing") {
 
 TEST_CASE_TEMPLATE("rotate_tile: asking for a later tile ahead changes no byte", E, kvcache::f32, kvcache::f16,
                    kvcache::bf16) {
-    // apply_k_shift passes the tile after next for NeoX everywhere and for normal RoPE only on
-    // Intel; both pair layouts, uniform and per-lane tables, full and partial masks, here.
+    // apply_k_shift passes the tile after next only on Intel; uniform and per-lane tables, full
+    // and partial masks here (the kernel sees rows in pair order for either pair layout).
     using T = typename E::storage_type;
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -312,20 +312,19 @@ TEST_CASE_TEMPLATE("rotate_tile: asking for a later tile ahead changes no byte",
     std::vector<float> cs(n_rot / 2), sn(n_rot / 2), lc(n_rot / 2 * kvcache::k_tile), ls(lc.size());
     for (std::size_t i = 0; i < cs.size(); ++i) cs[i] = std::cos(0.1f * i), sn[i] = std::sin(0.1f * i);
     for (std::size_t i = 0; i < lc.size(); ++i) lc[i] = std::cos(0.01f * i), ls[i] = std::sin(0.01f * i);
-    for (auto type : {kvcache::rope_type::normal, kvcache::rope_type::neox})
-        for (bool uniform : {true, false})
-            for (std::uint16_t mask : {std::uint16_t{0xffff}, std::uint16_t{0x0f3c}}) {
-                kvcache::kernels::tile_rotation rot;
-                rot.mask = mask;
-                rot.uniform = uniform;
-                rot.lane_cos = lc.data();
-                rot.lane_sin = ls.data();
-                std::vector<T> a = base, b = base;
-                const std::size_t tile = std::size_t{kvcache::k_tile} * dk;
-                kvcache::kernels::rotate_tile(a.data(), n_rot, type, rot, cs.data(), sn.data());
-                kvcache::kernels::rotate_tile(b.data(), n_rot, type, rot, cs.data(), sn.data(),
-                                              reinterpret_cast<const char*>(b.data() + 2 * tile));
-                CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-                CHECK(a != base);  // the tile did move
-            }
+    for (bool uniform : {true, false})
+        for (std::uint16_t mask : {std::uint16_t{0xffff}, std::uint16_t{0x0f3c}}) {
+            kvcache::kernels::tile_rotation rot;
+            rot.mask = mask;
+            rot.uniform = uniform;
+            rot.lane_cos = lc.data();
+            rot.lane_sin = ls.data();
+            std::vector<T> a = base, b = base;
+            const std::size_t tile = std::size_t{kvcache::k_tile} * dk;
+            kvcache::kernels::rotate_tile(a.data(), n_rot, rot, cs.data(), sn.data());
+            kvcache::kernels::rotate_tile(b.data(), n_rot, rot, cs.data(), sn.data(),
+                                          reinterpret_cast<const char*>(b.data() + 2 * tile));
+            CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+            CHECK(a != base);  // the tile did move
+        }
 }

@@ -30,7 +30,9 @@
 //                         written only when some saved sequence has one
 //                data:    for each layer: K then V, for each KV head:
 //                           K: ceil(n_cells/16) tiles of [head_dim_k][16 cells] elements
-//                              (the cache's own K tiling; lanes past n_cells are zero)
+//                              (the cache's own K tiling, rows in dimension order even
+//                              where the cache keeps NeoX pair order; lanes past
+//                              n_cells are zero)
 //                           V: n_cells rows of head_dim_v elements
 //   end-8  8     XXH3-64 of every byte before it
 //

@@ -240,22 +240,36 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
     };
     const std::size_t tile_bytes = std::size_t{k_tile} * v.dim_k * es;
     const std::size_t row_bytes = std::size_t{v.dim_v} * es;
+    // The format keeps K rows in dimension order; the cache stores them in RoPE pair
+    // order (layout/kv_storage.hpp), which differs for NeoX: whole tiles then move row
+    // by row (16 lanes of one dimension at a time).
+    const bool same_rows = v.neox_rot == 0;
     std::size_t at = 0;  // format offset of the current head's K or V block
     for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_tiles} * tile_bytes) {
         for (const auto& sg : p.k_segs) {
             const std::size_t f0 = at + sg.from * tile_bytes;
-            if (!sg.lanes) {
+            if (!sg.lanes && same_rows) {
                 move_run(f0, v.k_tile_ptr(h, sg.to), sg.len * tile_bytes);
+                continue;
+            }
+            if (!sg.lanes) {
+                for (std::uint32_t t = 0; t < sg.len; ++t) {
+                    T* tile = v.k_tile_ptr(h, sg.to + t);
+                    const std::size_t ft = f0 + t * tile_bytes;
+                    for (std::uint32_t d = 0; d < v.dim_k; ++d)
+                        move(ft + std::size_t{d} * k_tile * es, tile + std::size_t{v.k_row(d)} * k_tile, k_tile * es);
+                    hashed(ft, tile_bytes);
+                }
                 continue;
             }
             const std::uint32_t n = std::min(k_tile, p.n_cells - sg.from * k_tile);
             if constexpr (Save)
                 if (n < k_tile) std::memset(fmt + f0, 0, tile_bytes);  // lanes past n_cells stay zero
-            std::size_t base[k_tile];  // element d of lane j is at v.k[base[j] + d * 16]
+            std::size_t base[k_tile];  // dimension d of lane j is at v.k[base[j] + k_row(d) * 16]
             for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[sg.from * k_tile + j], 0);
             for (std::uint32_t d = 0; d < v.dim_k; ++d)
                 for (std::uint32_t j = 0; j < n; ++j)
-                    move(f0 + (std::size_t{d} * k_tile + j) * es, v.k + base[j] + std::size_t{d} * k_tile, es);
+                    move(f0 + (std::size_t{d} * k_tile + j) * es, v.k + base[j] + std::size_t{v.k_row(d)} * k_tile, es);
             hashed(f0, tile_bytes);
         }
     }

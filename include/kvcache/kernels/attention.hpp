@@ -2,7 +2,7 @@
 //
 // Assumptions (checked by the caller, ops/attention.hpp):
 // - K is tiled (layout/kv_storage.hpp): tile t of head h holds cells [16t, 16t+16)
-//   dimension-major, so the scores of 16 cells for one query head are 16-lane FMAs of
+//   one dimension per row (rows in RoPE pair order: q is permuted to match), so the scores of 16 cells for one query head are 16-lane FMAs of
 //   a broadcast q[d] with one K row: no horizontal reduction per cell.
 // - A work item is one KV head, up to M "slots" (query row x query head of the GQA
 //   group) and a list of tile ranges (cells [16*t0, 16*t1)); the contiguous layout
@@ -133,15 +133,24 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     const float ninf = -std::numeric_limits<float>::infinity();
     const std::uint32_t dk = sh.dk, dv = sh.dv;
     const bool vt = kv.vl == v_layout::transposed;
-    // The M queries, pre-scaled, interleaved [d][slot]: one base pointer for every broadcast.
-    // Slot-major: each query row is read in address order (d-major reads touched 16 rows'
-    // lines at once and stalled on them: ~10% of a 512-row prefill on Zen 5).
+    // The M queries, pre-scaled, interleaved [K row][slot]: one base pointer for every
+    // broadcast; dimension d goes to the row that holds it in K (kv.k_row: RoPE pair
+    // order, a permutation only for NeoX). Slot-major: each query row is read in address
+    // order (d-major reads touched 16 rows' lines at once and stalled on them: ~10% of a
+    // 512-row prefill on Zen 5).
+    const std::uint32_t nh = kv.neox_rot / 2;  // NeoX: dimensions i and i + nh are rows 2i, 2i + 1
     for (std::size_t s = 0; s < M; ++s) {
+        float* col = q_buf + s;
+        if (!slots[s].active) {
+            for (std::uint32_t d = 0; d < dk; ++d) col[std::size_t{d} * M] = 0.0f;
+            continue;
+        }
         const float* q = slots[s].q;
-        if (slots[s].active)
-            for (std::uint32_t d = 0; d < dk; ++d) q_buf[std::size_t{d} * M + s] = q[d] * sh.scale;
-        else
-            for (std::uint32_t d = 0; d < dk; ++d) q_buf[std::size_t{d} * M + s] = 0.0f;
+        for (std::uint32_t i = 0; i < nh; ++i) {
+            col[std::size_t{2 * i} * M] = q[i] * sh.scale;
+            col[std::size_t{2 * i + 1} * M] = q[i + nh] * sh.scale;
+        }
+        for (std::uint32_t d = 2 * nh; d < dk; ++d) col[std::size_t{d} * M] = q[d] * sh.scale;
     }
 
     // Per-lane partial sums of exp(logit - m): one horizontal add per item, not per tile.

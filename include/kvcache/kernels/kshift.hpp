@@ -2,14 +2,14 @@
 //
 // Assumptions (checked by the caller, ops/kshift.hpp):
 // - K is tiled as in layout/kv_storage.hpp: tile t of head h holds cells
-//   [16t, 16t + 16), dimension-major ([d][16 cells]).
+//   [16t, 16t + 16), row-major ([row][16 cells]), rows in RoPE pair order: pair i
+//   of either pair layout (normal or NeoX) is rows (2i, 2i + 1).
 // - Every tile visited carries a tile_rotation: the cells of the tile that move
 //   (lane mask) and where their cos/sin come from (one shared delta, or one per cell).
 //
-// Why it is fast: a pair (d0, d1) of a tile is two rows of 16 cells, so one
-// rotation is 16-lane multiplies of whole rows with per-lane (or broadcast) cos/sin:
-// no shuffles for either pair layout (normal or NeoX only changes which rows pair
-// up). When every moving cell of a tile shares one delta (the usual seq_add case)
+// Why it is fast: a pair of a tile is two adjacent rows of 16 cells, so one rotation
+// is 16-lane multiplies of whole rows with per-lane (or broadcast) cos/sin: no
+// shuffles, and the tile is walked in address order for either pair layout. When every moving cell of a tile shares one delta (the usual seq_add case)
 // the cos/sin are broadcast scalars from a per-delta table that stays in L1, so the
 // kernel streams K once (read + write in place). Lanes outside the mask are written
 // back unchanged (a blend), never rotated: free cells may hold garbage. The pair loop
@@ -42,15 +42,15 @@ struct tile_rotation {
     const float* lane_sin = nullptr;
 };
 
-/// Rotates n_pairs row pairs (p, p + off), (p + step, p + step + off), ... of one
-/// sub-batch of lanes. Uniform: pair i uses the scalars cs[i], sn[i]; otherwise the
+/// Rotates n_pairs row pairs (rows 2i and 2i + 1 from p) of one sub-batch of lanes. Uniform: pair i uses the scalars cs[i], sn[i]; otherwise the
 /// lanes at cs + i * k_tile, sn + i * k_tile. Partial: lanes outside `keep` are written
 /// back unchanged. The flags are template parameters so that the loop has no branch.
 /// pf (may be null): a tile rotated later; pair i asks for its bytes [i, i + 1) * pf_step.
 template <bool Uniform, bool Partial, class T>
-inline void rotate_rows(T* p, std::size_t step, std::size_t off, std::uint32_t n_pairs, const float* cs,
-                        const float* sn, xsimd::batch_bool<float> keep, const char* pf) noexcept {
+inline void rotate_rows(T* p, std::uint32_t n_pairs, const float* cs, const float* sn, xsimd::batch_bool<float> keep,
+                        const char* pf) noexcept {
     using simd::fbatch;
+    constexpr std::size_t step = 2 * k_tile, off = k_tile;  // elements: next pair, partner row
     constexpr std::size_t pf_step = 2 * k_tile * sizeof(T);  // bytes of one pair's two rows
 #pragma GCC unroll 4
     for (std::uint32_t i = 0; i < n_pairs; ++i, p += step) {
@@ -70,29 +70,23 @@ inline void rotate_rows(T* p, std::size_t step, std::size_t off, std::uint32_t n
     }
 }
 
-/// Rotates one K tile of one head in place.
-/// cos_tab / sin_tab: n_pairs floats of the uniform delta (when rot.uniform).
-/// pf (may be null): a tile rotated later, whose moving rows are prefetched meanwhile.
+/// Rotates one K tile of one head in place (rows [0, n_rot) in pair order).
+/// cos_tab / sin_tab: n_rot / 2 floats of the uniform delta (when rot.uniform).
+/// pf (may be null): a tile rotated later, whose rotated rows are prefetched meanwhile.
 template <class T>
-inline void rotate_tile(T* tile, std::uint32_t n_rot, rope_type type, const tile_rotation& rot,
-                        const float* cos_tab, const float* sin_tab, const char* pf = nullptr) noexcept {
+inline void rotate_tile(T* tile, std::uint32_t n_rot, const tile_rotation& rot, const float* cos_tab,
+                        const float* sin_tab, const char* pf = nullptr) noexcept {
     constexpr std::size_t L = simd::lanes;
     const std::uint32_t n_pairs = n_rot / 2;
-    // Pair i is rows (2i, 2i + 1) for normal RoPE, (i, i + n_pairs) for NeoX.
-    std::uint32_t d0 = 0, d1 = 0;
-    rope_pair(type, n_rot, 0, d0, d1);
-    std::uint32_t e0 = 0, e1 = 0;
-    rope_pair(type, n_rot, n_pairs > 1 ? 1 : 0, e0, e1);
-    const std::size_t step = std::size_t{e0 - d0} * k_tile, off = std::size_t{d1 - d0} * k_tile;
     // Lanes of sub-batch b are bits [b*L, b*L + L) of rot.mask.
     for (std::size_t b = 0; b < k_tile / L; ++b) {
         const auto sub = static_cast<std::uint32_t>((rot.mask >> (b * L)) & ((1u << L) - 1u));
         if (sub == 0) continue;
-        T* p = tile + std::size_t{d0} * k_tile + b * L;
+        T* p = tile + b * L;
         const auto keep = simd::lane_mask(sub);
         const bool partial = sub != (1u << L) - 1u;
         auto run = [&](auto uniform, auto part, const float* c, const float* sn) {
-            rotate_rows<decltype(uniform)::value, decltype(part)::value>(p, step, off, n_pairs, c, sn, keep, b == 0 ? pf : nullptr);
+            rotate_rows<decltype(uniform)::value, decltype(part)::value>(p, n_pairs, c, sn, keep, b == 0 ? pf : nullptr);
         };
         using yes = std::true_type;
         using no = std::false_type;
@@ -114,13 +108,12 @@ inline void rotate_tile(T* tile, std::uint32_t n_rot, rope_type type, const tile
 
 /// Plain scalar K-shift of one tile (the reference path the benchmarks compare against).
 template <class T, class ToFloat, class FromFloat>
-inline void rotate_tile_scalar(T* tile, std::uint32_t n_rot, rope_type type, const tile_rotation& rot,
-                               const float* cos_tab, const float* sin_tab, ToFloat to_f, FromFloat from_f) noexcept {
+inline void rotate_tile_scalar(T* tile, std::uint32_t n_rot, const tile_rotation& rot, const float* cos_tab,
+                               const float* sin_tab, ToFloat to_f, FromFloat from_f) noexcept {
     for (std::uint32_t j = 0; j < k_tile; ++j) {
         if (!((rot.mask >> j) & 1u)) continue;
         for (std::uint32_t i = 0; i < n_rot / 2; ++i) {
-            std::uint32_t d0, d1;
-            rope_pair(type, n_rot, i, d0, d1);
+            const std::uint32_t d0 = 2 * i, d1 = 2 * i + 1;  // rows of pair i
             const float c = rot.uniform ? cos_tab[i] : rot.lane_cos[std::size_t{i} * k_tile + j];
             const float s = rot.uniform ? sin_tab[i] : rot.lane_sin[std::size_t{i} * k_tile + j];
             T& a = tile[std::size_t{d0} * k_tile + j];

@@ -8,11 +8,20 @@
 //   stored dimension-major ([d][16 cells]). q.K for 16 cells is then 16-lane FMAs
 //   of a broadcast q[d] with one contiguous row: no horizontal reduction per cell.
 //   The K-shift applies the same 2x2 rotation to 16 cells at once.
+// - K rows are stored in RoPE pair order: the two dimensions a rotation mixes are
+//   adjacent rows. For normal RoPE (pairs (2i, 2i+1)) that is dimension order; for
+//   NeoX (pairs (i, i + n_rot/2)) dimension i is row 2i and dimension i + n_rot/2 is
+//   row 2i + 1 (dimensions >= n_rot keep their row). The K-shift then walks every
+//   tile in address order for both pair layouts: NeoX in dimension order walked two
+//   streams half a tile apart and ran at 0.75-0.9 of the in-place bandwidth on Zen 5
+//   against 1.0-1.2 for normal RoPE. Attention permutes q the same way (q.K is a sum
+//   over dimensions, so only the pairing of q[d] with K row k_row(d) matters), and
+//   state files keep dimension order (io/format.hpp).
 // - V is row-major per head ([cell][d], the "flash" layout) or transposed
 //   ([d][cell], llama.cpp's non-flash layout), chosen by the layout policy.
 //
 // Element offsets (cp = cells rounded up to a multiple of k_tile):
-//   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 16)*16*dim_k + d*16 + c % 16
+//   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 16)*16*dim_k + k_row(d)*16 + c % 16
 //   V(l, h, c, d) = l*v_layer_stride + h*v_head_stride + c*dim_v + d          (row-major)
 //                 = l*v_layer_stride + h*v_head_stride + d*cp + c             (transposed)
 // with k_head_stride = cp*dim_k, v_head_stride = cp*dim_v.
@@ -52,14 +61,21 @@ struct kv_layer_view {
     std::size_t k_head_stride = 0;  ///< elements between heads in k
     std::size_t v_head_stride = 0;  ///< elements between heads in v
     v_layout vl = v_layout::row_major;
+    std::uint32_t neox_rot = 0;     ///< n_rot when K rows are in NeoX pair order, else 0
 
+    /// Row of dimension d inside a K tile (see "RoPE pair order" above).
+    [[nodiscard]] std::uint32_t k_row(std::uint32_t d) const noexcept {
+        const std::uint32_t half = neox_rot / 2;
+        if (d >= neox_rot) return d;
+        return d < half ? 2 * d : 2 * (d - half) + 1;
+    }
     /// First element of K tile `tile` (cells [16*tile, 16*tile + 16)) of head h: dim_k rows of 16.
     [[nodiscard]] T* k_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
         return k + h * k_head_stride + std::size_t{tile} * k_tile * dim_k;
     }
-    /// Offset of K element (h, cell, d).
+    /// Offset of K element (h, cell, dimension d).
     [[nodiscard]] std::size_t k_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
-        return h * k_head_stride + std::size_t{c / k_tile} * k_tile * dim_k + std::size_t{d} * k_tile + c % k_tile;
+        return h * k_head_stride + std::size_t{c / k_tile} * k_tile * dim_k + std::size_t{k_row(d)} * k_tile + c % k_tile;
     }
     /// Offset of V element (h, cell, d) for either V layout.
     [[nodiscard]] std::size_t v_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
@@ -125,6 +141,7 @@ public:
           n_head_kv_(s.n_head_kv),
           dim_k_(s.dim_k()),
           dim_v_(s.dim_v()),
+          neox_rot_(s.rope.type == rope_type::neox ? s.n_rot() : 0),
           n_cells_pad_((s.n_cells + k_tile - 1) / k_tile * k_tile),
           k_head_stride_(std::size_t{n_cells_pad_} * dim_k_),
           v_head_stride_(std::size_t{n_cells_pad_} * dim_v_),
@@ -142,11 +159,11 @@ public:
 
     [[nodiscard]] kv_layer_view<storage_type> view(std::uint32_t layer) noexcept {
         return {k_.get() + layer * k_layer_stride_, v_.get() + layer * v_layer_stride_, n_head_kv_, dim_k_, dim_v_,
-                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout};
+                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout, neox_rot_};
     }
     [[nodiscard]] kv_layer_view<const storage_type> view(std::uint32_t layer) const noexcept {
         return {k_.get() + layer * k_layer_stride_, v_.get() + layer * v_layer_stride_, n_head_kv_, dim_k_, dim_v_,
-                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout};
+                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout, neox_rot_};
     }
 
     /// Writes one cell's K row (n_head_kv x dim_k floats, head-major) into layer `layer`.
@@ -206,6 +223,7 @@ public:
 
 private:
     std::uint32_t n_layer_, n_head_kv_, dim_k_, dim_v_;
+    std::uint32_t neox_rot_;     // kv_layer_view::neox_rot
     std::uint32_t n_cells_pad_;  // cells allocated: n_cells rounded up to k_tile
     std::size_t k_head_stride_, v_head_stride_, k_layer_stride_, v_layer_stride_;
     std::unique_ptr<storage_type[], detail::aligned_delete> k_;  // invariant: never reallocated

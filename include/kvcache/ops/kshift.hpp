@@ -114,8 +114,7 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
     const detail_kshift::plan pl = detail_kshift::make_plan(cache, n_threads);
     if (pl.n_pairs != 0 && !pl.tiles.empty()) {
         const std::uint32_t n_head_kv = shape.n_head_kv;
-        const rope_type type = shape.rope.type;
-        const bool prefetch = type == rope_type::neox || cpu_is_intel();
+        const bool prefetch = cpu_is_intel();
         const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
         const int threads = resolve_threads(n_threads);
         static_cast<void>(threads);
@@ -140,18 +139,17 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
             const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
             storage_type* tile = tile_ptr(item);
             // The tile after next, asked for one line per row pair as the kernel goes.
-            // NeoX walks a tile as two streams half a tile apart, which the hardware
-            // prefetchers follow poorly (Zen 5, 1 thread, f16: 0.75-0.9 of the in-place
-            // bandwidth with it, ~0.5 without). Normal RoPE walks the tile in address
-            // order: on the 16-core Xeon it still needs the prefetch (1 thread, f16: 0.58
-            // without, 1.2 with), on Zen 5 it runs 5-7% faster without. A burst of
-            // prefetches per tile did no better and swung by 2x with its loop's alignment.
+            // The kernel walks each tile in address order (rows are in pair order, see
+            // layout/kv_storage.hpp): on the 16-core Xeon it still needs the prefetch
+            // (1 thread, f16: 0.58 of the in-place bandwidth without, 1.2 with), on Zen 5
+            // it runs 5-7% faster without. A burst of prefetches per tile did no better
+            // and swung by 2x with its loop's alignment.
             const char* ahead = prefetch && item + 2 < n_items ? reinterpret_cast<const char*>(tile_ptr(item + 2)) : nullptr;
             if (path == kernel_path::simd) {
-                kernels::rotate_tile(tile, pl.n_rot, type, rot, ct, st, ahead);
+                kernels::rotate_tile(tile, pl.n_rot, rot, ct, st, ahead);
             } else {
                 kernels::rotate_tile_scalar(
-                    tile, pl.n_rot, type, rot, ct, st,
+                    tile, pl.n_rot, rot, ct, st,
                     [](storage_type x) {
                         float f;
                         element::to_float(&x, &f, 1);
