@@ -112,6 +112,35 @@ inline fbatch exp_bounded(const fbatch& x) noexcept {
     return xsimd::bitwise_cast<fbatch>(xsimd::bitwise_cast<ibatch>(p) + e);
 }
 
+#if defined(__AVX512F__)
+/// Transposes a 16 x 16 block of floats held as 16 rows in place (AVX-512 builds only:
+/// 64 in-register shuffles, for the attention kernel's query buffer).
+inline void transpose16(__m512 (&r)[16]) noexcept {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {  // pairs of rows: (a0 b0 a1 b1 | ...) and (a2 b2 a3 b3 | ...) per 128-bit lane
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    __m512 u[16];  // u[4g + e]: rows 4g..4g+3, element e of each 128-bit lane
+    for (int g = 0; g < 4; ++g) {
+        const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+        u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int e = 0; e < 4; ++e) {  // column 4 * lane + e gathers lane `lane` of u[e], u[4+e], u[8+e], u[12+e]
+        const __m512 v = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), w = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xdd);
+        const __m512 x = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88), y = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xdd);
+        r[e] = _mm512_shuffle_f32x4(v, x, 0x88);
+        r[8 + e] = _mm512_shuffle_f32x4(v, x, 0xdd);
+        r[4 + e] = _mm512_shuffle_f32x4(w, y, 0x88);
+        r[12 + e] = _mm512_shuffle_f32x4(w, y, 0xdd);
+    }
+}
+#endif
+
 /// Largest lane.
 inline float hmax(const fbatch& v) noexcept {
 #if defined(__AVX512F__)
