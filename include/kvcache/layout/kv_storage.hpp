@@ -5,7 +5,7 @@
 //   attention streams one head's K and V rows sequentially, and all query heads
 //   of a GQA group read them once.
 // - K is tiled: cells are grouped in tiles of k_tile = 16 and, inside a tile, K is
-//   stored dimension-major ([d][16 cells]). q.K for 16 cells is then 16-lane FMAs
+//   stored one dimension per row ([row][16 cells]). q.K for 16 cells is then 16-lane FMAs
 //   of a broadcast q[d] with one contiguous row: no horizontal reduction per cell.
 //   The K-shift applies the same 2x2 rotation to 16 cells at once.
 // - K rows are stored in RoPE pair order: the two dimensions a rotation mixes are
