@@ -2,8 +2,9 @@
 //
 // Assumptions (checked by the caller, ops/attention.hpp):
 // - K is tiled (layout/kv_storage.hpp): tile t of head h holds cells [16t, 16t+16)
-//   one dimension per row (rows in RoPE pair order: q is permuted to match), so the scores of 16 cells for one query head are 16-lane FMAs of
-//   a broadcast q[d] with one K row: no horizontal reduction per cell.
+//   one dimension per row (rows in RoPE pair order: q is permuted to match), so the
+//   scores of 16 cells for one query head are 16-lane FMAs of a broadcast q[d] with
+//   one K row: no horizontal reduction per cell.
 // - A work item is one KV head, up to M "slots" (query row x query head of the GQA
 //   group) and a list of tile ranges (cells [16*t0, 16*t1)); the contiguous layout
 //   passes one range, a paged layout its blocks, split-K a part of them.

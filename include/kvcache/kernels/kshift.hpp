@@ -9,13 +9,14 @@
 //
 // Why it is fast: a pair of a tile is two adjacent rows of 16 cells, so one rotation
 // is 16-lane multiplies of whole rows with per-lane (or broadcast) cos/sin: no
-// shuffles, and the tile is walked in address order for either pair layout. When every moving cell of a tile shares one delta (the usual seq_add case)
-// the cos/sin are broadcast scalars from a per-delta table that stays in L1, so the
-// kernel streams K once (read + write in place). Lanes outside the mask are written
-// back unchanged (a blend), never rotated: free cells may hold garbage. The pair loop
-// is branch-free (uniform / partial are template flags): a loop over a runtime chunk
-// count with the pairs' rows in arrays compiled to stack spills and ran at half the
-// speed of the f16 in-place bandwidth even in L2 (Zen 5: 160 vs 88 ns per tile).
+// shuffles, and the tile is walked in address order for either pair layout. When
+// every moving cell of a tile shares one delta (the usual seq_add case) the cos/sin
+// are broadcast scalars from a per-delta table that stays in L1, so the kernel streams
+// K once (read + write in place). Lanes outside the mask are written back unchanged
+// (a blend), never rotated: free cells may hold garbage. The pair loop is branch-free
+// (uniform / partial are template flags): a loop over a runtime chunk count with the
+// pairs' rows in arrays compiled to stack spills and ran at half the speed of the f16
+// in-place bandwidth even in L2 (Zen 5: 160 vs 88 ns per tile).
 #pragma once
 
 #include <cstddef>      // std::size_t
@@ -42,9 +43,10 @@ struct tile_rotation {
     const float* lane_sin = nullptr;
 };
 
-/// Rotates n_pairs row pairs (rows 2i and 2i + 1 from p) of one sub-batch of lanes. Uniform: pair i uses the scalars cs[i], sn[i]; otherwise the
-/// lanes at cs + i * k_tile, sn + i * k_tile. Partial: lanes outside `keep` are written
-/// back unchanged. The flags are template parameters so that the loop has no branch.
+/// Rotates n_pairs row pairs (rows 2i and 2i + 1 from p) of one sub-batch of lanes.
+/// Uniform: pair i uses the scalars cs[i], sn[i]; otherwise the lanes at cs + i * k_tile,
+/// sn + i * k_tile. Partial: lanes outside `keep` are written back unchanged. The flags
+/// are template parameters so that the loop has no branch.
 /// pf (may be null): a tile rotated later; pair i asks for its bytes [i, i + 1) * pf_step.
 template <bool Uniform, bool Partial, class T>
 inline void rotate_rows(T* p, std::uint32_t n_pairs, const float* cs, const float* sn, xsimd::batch_bool<float> keep,
