@@ -25,9 +25,7 @@
 
 #include "../config.hpp"
 #include "../layout/kv_storage.hpp"
-#include "../model_shape.hpp"
 #include "../simd/tile_io.hpp"
-#include "rope_angles.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace kernels {

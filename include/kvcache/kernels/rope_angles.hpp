@@ -47,17 +47,5 @@ inline void rope_cos_sin(std::int64_t p, const double* inv_freq, std::uint32_t n
     }
 }
 
-/// Index of the partner dimensions of pair i: (2i, 2i+1) normal, (i, i + n_rot/2) NeoX.
-inline void rope_pair(rope_type t, std::uint32_t n_rot, std::uint32_t i, std::uint32_t& d0,
-                      std::uint32_t& d1) noexcept {
-    if (t == rope_type::normal) {
-        d0 = 2 * i;
-        d1 = 2 * i + 1;
-    } else {
-        d0 = i;
-        d1 = i + n_rot / 2;
-    }
-}
-
 }  // namespace kernels
 KVCACHE_END_NAMESPACE

@@ -117,7 +117,8 @@ inline fbatch exp_bounded(const fbatch& x) noexcept {
 /// 64 in-register shuffles, for the attention kernel's query buffer).
 inline void transpose16(__m512 (&r)[16]) noexcept {
     __m512 t[16];
-    for (int i = 0; i < 8; ++i) {  // pairs of rows: (a0 b0 a1 b1 | ...) and (a2 b2 a3 b3 | ...) per 128-bit lane
+    // Pairs of rows a, b: (a0 b0 a1 b1) and (a2 b2 a3 b3) in each 128-bit lane.
+    for (int i = 0; i < 8; ++i) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
     }
@@ -130,9 +131,12 @@ inline void transpose16(__m512 (&r)[16]) noexcept {
         u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
         u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
     }
-    for (int e = 0; e < 4; ++e) {  // column 4 * lane + e gathers lane `lane` of u[e], u[4+e], u[8+e], u[12+e]
-        const __m512 v = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), w = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xdd);
-        const __m512 x = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88), y = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xdd);
+    // Column 4 * lane + e is 128-bit lane `lane` of u[e], u[4 + e], u[8 + e], u[12 + e].
+    for (int e = 0; e < 4; ++e) {
+        const __m512 v = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);
+        const __m512 w = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xdd);
+        const __m512 x = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512 y = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xdd);
         r[e] = _mm512_shuffle_f32x4(v, x, 0x88);
         r[8 + e] = _mm512_shuffle_f32x4(v, x, 0xdd);
         r[4 + e] = _mm512_shuffle_f32x4(w, y, 0x88);
