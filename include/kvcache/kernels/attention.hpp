@@ -335,8 +335,19 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                             a[s][v] = fbatch::load_unaligned(st.acc + (g + s) * dv + d + v * L);
                             if (rescale) a[s][v] *= fbatch(alpha[g + s]);
                         }
+                    // V rows are read in dv / (VB * L) passes over the tile's cells (two for
+                    // f16 heads of 128 on AVX-512): the first slot group asks for the lines
+                    // of the row's next d-block, so a later pass never waits for them. The
+                    // hardware prefetchers do not cover that strided pattern: without this,
+                    // cold decode on Zen 5 ran 10-18% slower (bench/README.md). Into L1
+                    // (locality 3): the same request into L2 made it 30-60% slower.
+                    const bool pf_next = !vt && g == 0 && d + VB * L < dv;  // (may run into the next row: harmless)
                     auto cell = [&](std::uint32_t j) {
                         fbatch vr[VB];
+                        if (pf_next) {
+                            const char* nx = reinterpret_cast<const char*>(src + j * vstride + d + VB * L);
+                            for (std::size_t o = 0; o < VB * L * sizeof(*src); o += 64) __builtin_prefetch(nx + o, 0, 3);
+                        }
                         for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + j * vstride + d + v * L);
                         for (std::size_t s = 0; s < MG; ++s) {
                             const fbatch pj(p_buf[(g + s) * k_tile + j]);
