@@ -339,9 +339,10 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     // f16 heads of 128 on AVX-512): the first slot group asks for the lines
                     // of the row's next d-block, so a later pass never waits for them. The
                     // hardware prefetchers do not cover that strided pattern: without this,
-                    // cold decode on Zen 5 ran 10-18% slower (bench/README.md). Into L1
-                    // (locality 3): the same request into L2 made it 30-60% slower.
-                    const bool pf_next = !vt && g == 0 && d + VB * L < dv;  // (may run into the next row: harmless)
+                    // cold decode on Zen 5 ran 16-26% slower (bench/README.md). Into L1
+                    // (locality 3): the same request into L2 made it ~60% slower. A block
+                    // that ends past the row's end asks for the next row's first lines.
+                    const bool pf_next = !vt && g == 0 && d + VB * L < dv;
                     auto cell = [&](std::uint32_t j) {
                         fbatch vr[VB];
                         if (pf_next) {
