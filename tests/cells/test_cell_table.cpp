@@ -119,3 +119,44 @@ TEST_CASE("move_pos accumulates the shift as current minus original position") {
     CHECK(t.shift(1) == 0);
     CHECK(t.n_shifted() == 0);
 }
+
+TEST_CASE("cell_table: the content stamp changes with every change of positions or sequences") {
+    kvcache::cell_table t(8, 4);
+    std::vector<std::uint64_t> seen{t.stamp()};
+    auto changed = [&](const char* what) {
+        CAPTURE(what);
+        for (auto s : seen) CHECK(t.stamp() != s);  // never a stamp seen before
+        seen.push_back(t.stamp());
+    };
+    t.occupy(0, 5, kvcache::seq_set::of(0));
+    changed("occupy");
+    t.occupy(1, 6, kvcache::seq_set::of(0));
+    changed("occupy");
+    t.add_seq(0, 1);
+    changed("add_seq");
+    const auto s0 = t.stamp();
+    t.add_seq(0, 1);  // already there: nothing changes
+    CHECK(t.stamp() == s0);
+    t.move_pos(1, 6);  // same position: nothing changes
+    CHECK(t.stamp() == s0);
+    t.set_shift(1, 3);  // pending shifts are not part of the stamped content
+    CHECK(t.stamp() == s0);
+    t.move_pos(1, 9);
+    changed("move_pos");
+    t.rm_seq(0, 1);
+    changed("rm_seq");
+    const auto snap = t.save(1);
+    t.free_cell(1);
+    changed("free_cell");
+    t.load(1, snap);
+    changed("load");
+    kvcache::cell_table copy = t;  // same content, same stamp
+    CHECK(copy.stamp() == t.stamp());
+    kvcache::cell_table moved = std::move(copy);
+    CHECK(moved.stamp() == t.stamp());
+    CHECK(copy.stamp() != t.stamp());  // NOLINT(bugprone-use-after-move): its content is gone
+    t.clear();
+    changed("clear");
+    kvcache::cell_table other(8, 4);
+    for (auto s : seen) CHECK(other.stamp() != s);  // unique across tables
+}

@@ -365,3 +365,94 @@ TEST_CASE_TEMPLATE("attention prefill over a long cache matches the oracle", C,
     p.softcap = 8.0f;
     check_case<typename C::cache>(c, 4243u, 2, 9, p, 1e-10, C::tol_f32);
 }
+
+// The workspace keeps its per-tile summaries while the cells stay unchanged (the layers
+// of one decode step) and must rebuild them after any change: a workspace reused across
+// every kind of cell change gives the bits a fresh workspace gives, and both match the
+// oracle. One workspace also alternates between two caches.
+TEST_CASE("attention: a reused workspace follows every change of the cells") {
+    using cache_t = kvcache::kv_cache<kvcache::f32>;
+    scenario_cfg c;
+    c.n_cells = 300;
+    c.rounds = 25;
+    const auto shape = make_shape(c);
+    cache_t cache(shape), other(shape);
+    build(cache, c, 77u);
+    build(other, c, 78u);
+    kvcache::ops::attention_params p;
+    p.n_head = c.n_head_kv * 2;
+    kvcache::ops::attention_workspace reused;
+    std::mt19937 rng(79u);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<pos_t> next(c.n_seq + 1, 0);
+    for (seq_id_t s = 0; s <= static_cast<seq_id_t>(c.n_seq); ++s) next[static_cast<std::size_t>(s)] = cache.seq_pos_max(s) + 1;
+
+    auto check_same = [&](const cache_t& cc, int threads, const char* what) {
+        CAPTURE(what);
+        CAPTURE(threads);
+        p.n_threads = threads;
+        pos_t max_pos = 0;
+        for (seq_id_t s = 0; s <= static_cast<seq_id_t>(c.n_seq); ++s) max_pos = std::max(max_pos, cc.seq_pos_max(s));
+        const auto qs = random_queries(rng, 5, p.n_head, shape.dim_k(), c.n_seq, max_pos);
+        for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
+            std::vector<float> got(std::size_t{5} * p.n_head * shape.dim_v()), want(got.size());
+            kvcache::ops::attention(cc, layer, qs.q.data(), qs.pos.data(), qs.seq.data(), 5, p, got.data(), reused);
+            kvcache::ops::attention_workspace fresh;
+            kvcache::ops::attention(cc, layer, qs.q.data(), qs.pos.data(), qs.seq.data(), 5, p, want.data(), fresh);
+            CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+            CHECK(nmse(got, ref::attention(cc, layer, qs.q, qs.pos, qs.seq, p)) <= 1e-10);
+        }
+    };
+    auto place = [&](seq_id_t sq, std::uint32_t n, bool keep) -> bool {
+        if (n > cache.capacity() - cache.used()) return false;
+        std::vector<pos_t> pos(n);
+        std::vector<seq_id_t> seq(n, sq);
+        for (auto& x : pos) x = next[static_cast<std::size_t>(sq)]++;
+        auto placed = cache.place(pos, seq);
+        REQUIRE(placed.ok());
+        for (std::uint32_t l = 0; l < shape.n_layer; ++l) {
+            std::vector<float> k(n * shape.k_row_size()), v(n * shape.v_row_size());
+            for (auto& x : k) x = nd(rng);
+            for (auto& x : v) x = nd(rng);
+            cache.write_k(l, placed.value().cells, k.data());
+            cache.write_v(l, placed.value().cells, v.data());
+        }
+        if (keep) {
+            static_cast<void>(cache.commit());
+        } else {
+            static_cast<void>(cache.restore());
+            next[static_cast<std::size_t>(sq)] -= static_cast<pos_t>(n);
+        }
+        return true;
+    };
+
+    check_same(cache, 1, "start");
+    for (int step = 0; step < 40; ++step) {
+        const auto sq = static_cast<seq_id_t>(rng() % c.n_seq);
+        const pos_t top = std::max<pos_t>(1, next[static_cast<std::size_t>(sq)]);
+        const pos_t a = static_cast<pos_t>(rng() % static_cast<std::uint32_t>(top));
+        const char* what = "";
+        const std::uint64_t before = cache.cells().stamp();
+        bool changes = false;
+        try {  // (seq_cp / seq_add may refuse: dst holds a position, no free cell for a split)
+        switch (step % 8) {
+            case 0: what = "place + commit"; changes = place(sq, 1 + rng() % 6, true); break;
+            case 1: what = "place + restore"; static_cast<void>(place(sq, 1 + rng() % 6, false)); break;
+            case 2: what = "seq_rm"; cache.seq_rm(sq, a, a + 4); break;
+            case 3: what = "seq_cp"; cache.seq_cp(sq, static_cast<seq_id_t>(c.n_seq), a, -1); break;
+            case 4: what = "seq_add"; cache.seq_add(sq, a, -1, 3); next[static_cast<std::size_t>(sq)] += 3; break;
+            case 5: what = "seq_div"; cache.seq_div(sq, a, -1, 2); break;
+            case 6: what = "seq_keep"; if (step % 16 == 14) cache.seq_keep(sq); break;
+            default: what = "clear + refill"; if (step % 24 == 23) { cache.clear(); std::fill(next.begin(), next.end(), 0); } changes = place(sq, 8, true); break;
+        }
+        } catch (const kvcache::error&) {
+            // refused, nothing changed (the cache's own tests check that)
+        }
+        if (changes) CHECK(cache.cells().stamp() != before);
+        check_same(cache, step % 3 == 0 ? 2 : 1, what);
+        if (step % 5 == 0) check_same(other, 1, "the other cache");
+    }
+    const std::uint64_t s0 = cache.cells().stamp();
+    check_same(cache, 2, "attention alone");
+    CHECK(cache.cells().stamp() == s0);  // reading never changes the stamp
+}

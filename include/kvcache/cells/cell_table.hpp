@@ -6,6 +6,7 @@
 // (min/max/contains), number of cells with a pending shift.
 #pragma once
 
+#include <atomic>   // process-wide content stamps
 #include <cstdint>  // fixed-width integers
 #include <iterator> // std::prev
 #include <map>      // per-sequence position multiset
@@ -53,6 +54,28 @@ struct observer_slot {
         return *this;
     }
     ~observer_slot() = default;
+};
+
+/// Next content stamp: unique in the process (0 is never handed out).
+inline std::uint64_t next_cell_stamp() noexcept {
+    static std::atomic<std::uint64_t> counter{0};
+    return counter.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+/// The cell table's content stamp: a copy keeps it (same content), a moved-from table
+/// gets a fresh one (its content is gone).
+struct stamp_slot {
+    std::uint64_t v = next_cell_stamp();
+    stamp_slot() = default;
+    stamp_slot(const stamp_slot&) noexcept = default;
+    stamp_slot(stamp_slot&& o) noexcept : v(o.v) { o.v = next_cell_stamp(); }
+    stamp_slot& operator=(const stamp_slot&) noexcept = default;
+    stamp_slot& operator=(stamp_slot&& o) noexcept {
+        v = o.v;
+        o.v = next_cell_stamp();
+        return *this;
+    }
+    ~stamp_slot() = default;
 };
 }  // namespace detail
 
@@ -122,12 +145,18 @@ public:
     [[nodiscard]] const pos_t* pos_data() const noexcept { return pos_.data(); }
     [[nodiscard]] const std::int32_t* shift_data() const noexcept { return shift_.data(); }
     [[nodiscard]] const seq_set* seq_data() const noexcept { return seqs_.data(); }
+    /// Content stamp of the positions and sequence sets (not of the pending shifts): a new
+    /// process-wide unique value after every change, so two reads that see the same stamp
+    /// saw the same content. Attention keys its per-tile summaries on it and rebuilds them
+    /// once per change instead of once per layer.
+    [[nodiscard]] std::uint64_t stamp() const noexcept { return stamp_.v; }
 
     // --- mutations (preconditions asserted; the cache validates arguments first) ---
 
     /// Occupies free cell c with position p for the sequences in `seqs` (non-empty).
     void occupy(std::uint32_t c, pos_t p, const seq_set& seqs) {
         KVCACHE_ASSERT(is_free(c) && p >= 0 && seqs.any());
+        touch();
         pos_[c] = p;
         seqs_[c] = seqs;
         used_.insert(c);
@@ -137,12 +166,14 @@ public:
     void add_seq(std::uint32_t c, seq_id_t s) {
         KVCACHE_ASSERT(!is_free(c));
         if (seqs_[c].test(s)) return;
+        touch();
         seqs_[c].set(s);
         index_add(s, pos_[c], c);
     }
     /// Removes sequence s from cell c; frees the cell when no sequence is left.
     void rm_seq(std::uint32_t c, seq_id_t s) {
         KVCACHE_ASSERT(!is_free(c) && seqs_[c].test(s));
+        touch();
         seqs_[c].reset(s);
         index_rm(s, pos_[c], c);
         if (seqs_[c].none()) release(c);
@@ -150,6 +181,7 @@ public:
     /// Frees cell c, dropping every sequence.
     void free_cell(std::uint32_t c) {
         KVCACHE_ASSERT(!is_free(c));
+        touch();
         seqs_[c].for_each([&](seq_id_t s) { index_rm(s, pos_[c], c); });
         seqs_[c].clear();
         release(c);
@@ -159,6 +191,7 @@ public:
         KVCACHE_ASSERT(!is_free(c) && p >= 0);
         const pos_t old = pos_[c];
         if (p == old) return;
+        touch();
         seqs_[c].for_each([&](seq_id_t s) {
             index_rm(s, old);
             index_add(s, p);
@@ -192,6 +225,7 @@ public:
 
     /// Frees every cell.
     void clear() {
+        touch();
         for (auto c : used_) {
             pos_[c] = -1;
             shift_[c] = 0;
@@ -204,7 +238,9 @@ public:
     }
 
 private:
+    void touch() noexcept { stamp_.v = detail::next_cell_stamp(); }
     void release(std::uint32_t c) {
+        touch();
         pos_[c] = -1;
         set_shift(c, 0);
         used_.erase(c);
@@ -230,6 +266,7 @@ private:
     std::vector<std::map<pos_t, std::uint32_t>> seq_pos_;  // per sequence: position -> cell count
     std::uint32_t n_shifted_ = 0;       // cells with shift != 0
     detail::observer_slot obs_;         // not owned; told about every membership change
+    detail::stamp_slot stamp_;          // changes with every change of pos_ or seqs_
 };
 
 KVCACHE_END_NAMESPACE
