@@ -53,6 +53,9 @@ inline prefetch_mode resolve_prefetch(prefetch_mode m) noexcept {
 
 /// Caller-owned scratch for attention(), reused across calls: it grows to the largest
 /// call seen and then the hot path allocates nothing. One workspace per calling thread.
+/// It also keeps the per-tile mask summaries of the last cells it saw (keyed on
+/// cell_table::stamp()), so the layers of one decode step build them once: pass the
+/// same workspace for every layer.
 class attention_workspace {
 public:
     attention_workspace() = default;
