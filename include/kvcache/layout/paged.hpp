@@ -397,16 +397,22 @@ struct paged {
         /// K tile ranges [first, last) that hold sequence s's cells, merged where blocks are
         /// adjacent: what an attention kernel visits instead of a contiguous window.
         [[nodiscard]] std::vector<std::pair<std::uint32_t, std::uint32_t>> tile_ranges(seq_id_t s) const {
+            std::vector<std::pair<std::uint32_t, std::uint32_t>> out;
+            tile_ranges(s, out);
+            return out;
+        }
+        /// The same into `out` (replacing its contents, reusing its capacity): attention
+        /// calls this one with a workspace vector, so a decode step allocates nothing.
+        void tile_ranges(seq_id_t s, std::vector<std::pair<std::uint32_t, std::uint32_t>>& out) const {
             check_seq(s);
             constexpr std::uint32_t tiles = BlockSize / k_tile;
-            std::vector<std::pair<std::uint32_t, std::uint32_t>> out;
+            out.clear();
             for (std::uint32_t b : tables_->table(s)) {
                 if (!out.empty() && out.back().second == b * tiles)
                     out.back().second += tiles;
                 else
                     out.emplace_back(b * tiles, (b + 1) * tiles);
             }
-            return out;
         }
         /// Cells held (unavailable to other sequences): every referenced block, in full.
         [[nodiscard]] std::uint64_t held_cells(const cell_table&) const noexcept {

@@ -8,6 +8,7 @@
 #include <limits>   // infinity
 #include <string>   // messages
 #include <type_traits>  // std::integral_constant
+#include <utility>   // std::pair
 #include <vector>   // workspace buffers
 
 #include "../config.hpp"
@@ -63,6 +64,7 @@ public:
     [[nodiscard]] std::size_t bytes() const noexcept {
         return tiles_.capacity() * sizeof(kernels::tile_meta) + slots_.capacity() * sizeof(kernels::attn_slot) +
                ranges_.capacity() * sizeof(kernels::tile_range) + split_ranges_.capacity() * sizeof(kernels::tile_range) +
+               seq_ranges_.capacity() * sizeof(std::pair<std::uint32_t, std::uint32_t>) +
                split_first_.capacity() * sizeof(std::size_t) + scratch_.capacity() * sizeof(float) +
                partial_.capacity() * sizeof(float) + out_rows_.capacity() * sizeof(float*);
     }
@@ -77,6 +79,7 @@ private:
     std::uint32_t tiles_n_ = 0;                       // ... and the n it covered
     std::vector<kernels::attn_slot> slots_;           // per KV head: n_q x group slots, padded to a multiple of M
     std::vector<kernels::tile_range> ranges_;         // tiles to visit (one range for the contiguous layout)
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> seq_ranges_;  // a paged layout's tile ranges of one sequence
     std::vector<kernels::tile_range> split_ranges_;   // the ranges cut into n_split parts
     std::vector<std::size_t> split_first_;            // split k's ranges: [split_first_[k], split_first_[k+1])
     std::vector<float> scratch_;                      // per thread: accumulators, p, transposed-V rows
@@ -377,12 +380,14 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     // when every row belongs to one sequence and the layout can list that sequence's
     // tiles (a paged layout's block table: storage.tile_ranges(seq)), just those.
     ws.ranges_.assign(1, kernels::tile_range{0, n_tiles});
-    if constexpr (requires(const typename Cache::storage_t& st, seq_id_t sq) { st.tile_ranges(sq); }) {
+    if constexpr (requires(const typename Cache::storage_t& st, seq_id_t sq,
+                           std::vector<std::pair<std::uint32_t, std::uint32_t>>& o) { st.tile_ranges(sq, o); }) {
         bool one_seq = true;
         for (std::uint32_t i = 1; i < n_q; ++i) one_seq = one_seq && q_seq[i] == q_seq[0];
         if (one_seq) {
             ws.ranges_.clear();
-            for (const auto& r : cache.storage().tile_ranges(q_seq[0])) {
+            cache.storage().tile_ranges(q_seq[0], ws.seq_ranges_);
+            for (const auto& r : ws.seq_ranges_) {
                 const auto t0 = static_cast<std::uint32_t>(r.first);
                 const auto t1 = std::min(static_cast<std::uint32_t>(r.second), n_tiles);
                 if (t0 < t1) ws.ranges_.push_back({t0, t1});
