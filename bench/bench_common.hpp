@@ -208,7 +208,127 @@ inline double measure_fma_impl(int threads) {
     return static_cast<double>(iters) * chains * lanes * resolve_threads(threads) / t;
 }
 
+/// Runs body(b, e) on every thread's part of [0, count) (multiples of 4 * lanes) and
+/// returns the seconds from the moment every thread is running to the moment the last one
+/// is done: the bandwidth of `threads` busy threads, without waking them up.
+template <class Body>
+double timed_parts(int threads, std::size_t count, Body&& body) {
+    double t0 = 0.0, t1 = 0.0;
+    KVCACHE_OMP(parallel num_threads(threads))
+    {
+        KVCACHE_OMP(barrier)
+        KVCACHE_OMP(master)
+        t0 = now_s();
+        std::size_t b, e;
+        chunk(count, resolve_threads(threads), thread_id(), b, e);
+        body(b, e);
+        KVCACHE_OMP(barrier)
+        KVCACHE_OMP(master)
+        t1 = now_s();
+    }
+    return t1 - t0;
+}
+
 }  // namespace detail
+
+/// Which yardstick a paired_yardstick runs.
+enum class yardstick_kind { read, rmw, fma };
+
+/// A yardstick measured in step with a kernel, so that both see the same moment of a
+/// machine whose memory rate drifts by up to 2x between minutes. After each timed kernel
+/// call the benchmark calls add(work) with the kernel's work (bytes for read / rmw, lane
+/// FMAs for fma); once the work since the last run reaches a minimum chunk (64 MiB of
+/// traffic, or 2^28 lane FMAs) the yardstick does that much work itself, on the next part
+/// of the yardstick buffer (cold: the buffer and the kernel's data together exceed the
+/// last-level cache many times over). rate() is the yardstick's work per second over all
+/// its runs; a kernel's fraction is its own rate over rate(). Call it outside the
+/// kernel's timed region (PauseTiming). Timing starts once every thread is running, so
+/// a kernel that pays for waking its threads is not credited with that cost.
+class paired_yardstick {
+public:
+    paired_yardstick(yardstick_kind kind, int threads) : kind_(kind), threads_(threads) {}
+
+    void add(double work) {
+        pending_ += work;
+        const double min_chunk = kind_ == yardstick_kind::fma ? double(1u << 28) : double(64u << 20);
+        if (pending_ >= min_chunk) run(pending_);
+    }
+    /// Runs what is pending (at least one minimum chunk's worth overall) and returns work/s.
+    double rate() {
+        if (pending_ > 0.0 || seconds_ == 0.0) run(std::max(pending_, 64.0 * (1u << 20)));
+        return seconds_ > 0.0 ? work_ / seconds_ : 0.0;
+    }
+
+private:
+    void run(double work) {
+        namespace d = detail;
+        pending_ = 0.0;
+        if (kind_ == yardstick_kind::fma) {
+            run_fma(work);
+            return;
+        }
+        std::size_t n;
+        float* const buf = d::yardstick(n);
+        const std::size_t unit = 4 * d::lanes * 64;  // whole blocks for every thread
+        // rmw moves every byte twice (read + write).
+        const double per_float = kind_ == yardstick_kind::rmw ? 2.0 * sizeof(float) : double(sizeof(float));
+        std::size_t count = static_cast<std::size_t>(work / per_float) / unit * unit;
+        count = std::clamp<std::size_t>(count, unit, n / unit * unit);
+        if (offset_ + count > n) offset_ = 0;
+        float* const p = buf + offset_;
+        double secs;
+        if (kind_ == yardstick_kind::read) {
+            float sink = 0.0f;
+            secs = d::timed_parts(threads_, count, [&](std::size_t b, std::size_t e) {
+                const float s = d::read_range(p, b, e);
+                KVCACHE_OMP(atomic)
+                sink += s;
+            });
+            volatile float keep = sink;
+            static_cast<void>(keep);
+        } else {
+            const d::batch f(factor_);
+            secs = d::timed_parts(threads_, count, [&](std::size_t b, std::size_t e) {
+                for (std::size_t i = b; i < e; i += d::lanes) (d::batch::load_aligned(p + i) * f).store_aligned(p + i);
+            });
+            factor_ = factor_ == 0.5f ? 2.0f : 0.5f;  // keeps the values bounded
+        }
+        offset_ += count;
+        work_ += per_float * static_cast<double>(count);
+        seconds_ += secs;
+    }
+
+    void run_fma(double work) {
+        namespace d = detail;
+        constexpr int chains = 16;
+        const int t = resolve_threads(threads_);
+        const auto iters = std::max<std::uint64_t>(
+            1, static_cast<std::uint64_t>(work / (double(chains) * d::lanes * t)));
+        float sink = 0.0f;
+        const double secs = d::timed_parts(threads_, 4 * d::lanes * t, [&](std::size_t, std::size_t) {
+            d::batch acc[chains];
+            for (int c = 0; c < chains; ++c) acc[c] = d::batch(static_cast<float>(c) * 1e-3f);
+            const d::batch a(0.999999f), b(1e-7f);
+            for (std::uint64_t i = 0; i < iters; ++i)
+                for (int c = 0; c < chains; ++c) acc[c] = xsimd::fma(acc[c], a, b);
+            d::batch s(0.0f);
+            for (int c = 0; c < chains; ++c) s += acc[c];
+            const float v = xsimd::hadd(s);
+            KVCACHE_OMP(atomic)
+            sink += v;
+        });
+        volatile float keep = sink;
+        static_cast<void>(keep);
+        work_ += static_cast<double>(iters) * chains * d::lanes * t;
+        seconds_ += secs;
+    }
+
+    yardstick_kind kind_;
+    int threads_;
+    double pending_ = 0.0, work_ = 0.0, seconds_ = 0.0;
+    std::size_t offset_ = 0;
+    float factor_ = 0.5f;
+};
 
 /// Read-only bandwidth in bytes/s with `threads` OpenMP threads.
 inline double measure_read_bw(int threads, bool fresh = false) {

@@ -8,8 +8,10 @@
 // and *_scalar/... for the scalar reference. Shape: head_dim 128, 32 query heads, 8 KV heads.
 // Counters: bytes_per_second (decode, K-shift) or FLOP/s (prefill: unmasked query-key pairs
 // x heads x 4 x head_dim), bw_frac (achieved / measured read bandwidth for attention,
-// / in-place read-modify-write bandwidth for K-shift, same thread count, measured right
-// after the timed loop), peak_frac (FMA rate / measured FMA peak, same thread count).
+// / in-place read-modify-write bandwidth for K-shift, same thread count, measured in step
+// with the kernel: a paired_yardstick runs between the timed calls), peak_frac (FMA rate /
+// measured FMA peak, same thread count; in step for prefill, right after the loop for the
+// others), yard_GBps / yard_GFMAps (what the paired yardstick read).
 // Cold cache: each iteration works on the next layer of a cache whose layers together are
 // larger than bench_buffer_bytes() (1 GiB by default), so K/V come from DRAM.
 #include <benchmark/benchmark.h>
@@ -18,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -73,29 +76,48 @@ std::unique_ptr<cache_t<E>> make_cache(std::uint32_t n_cells, std::uint32_t n_kv
     return cache;
 }
 
-// The cache of the previous benchmark (or repetition) when it asks for the same one:
-// building a multi-GiB cache costs seconds of page faults in a VM, once per repetition
-// otherwise. At most one cache is held; the benchmarks leave it usable (attention only
-// reads it, the K-shift benchmark moves positions by +1 / -1 alternately).
+// Caches of earlier benchmarks (or repetitions) that asked for the same one: building a
+// multi-GiB cache costs seconds of page faults in a VM, and with
+// --benchmark_enable_random_interleaving the repetitions of different benchmarks
+// alternate. The most recently used caches are kept up to KVCACHE_BENCH_HOLD_MIB
+// (default 8192) in all; the benchmarks leave them usable (attention only reads a cache,
+// the K-shift benchmark moves positions by +1 / -1 alternately).
 struct cache_key {
     std::string type;
     std::uint32_t n_cells = 0, n_kv = 0, n_layer = 0, hkv = 0;
     kvcache::rope_type rope = kvcache::rope_type::normal;
     bool operator==(const cache_key&) const = default;
 };
-std::shared_ptr<void> held_cache;
-cache_key held_key;
+struct held_cache {
+    cache_key key;
+    std::size_t bytes = 0;
+    std::shared_ptr<void> cache;
+};
+std::vector<held_cache> held;  // most recently used last
+
+std::size_t hold_budget() {
+    if (const char* env = std::getenv("KVCACHE_BENCH_HOLD_MIB")) return std::strtoull(env, nullptr, 10) << 20;
+    return std::size_t{8192} << 20;
+}
 
 template <class E>
 cache_t<E>& shared_cache(std::uint32_t n_cells, std::uint32_t n_kv, std::uint32_t n_layer, std::uint32_t hkv,
                          kvcache::rope_type rope = kvcache::rope_type::normal) {
     const cache_key key{std::string(E::name), n_cells, n_kv, n_layer, hkv, rope};
-    if (!held_cache || !(key == held_key)) {
-        held_cache.reset();  // free the old one before allocating the new one
-        held_cache = std::shared_ptr<cache_t<E>>(make_cache<E>(n_cells, n_kv, n_layer, hkv, rope));
-        held_key = key;
+    auto it = std::find_if(held.begin(), held.end(), [&](const held_cache& h) { return h.key == key; });
+    if (it != held.end()) {
+        std::rotate(it, it + 1, held.end());
+        return *static_cast<cache_t<E>*>(held.back().cache.get());
     }
-    return *static_cast<cache_t<E>*>(held_cache.get());
+    const std::size_t bytes = std::size_t{n_cells} * hkv * head_dim * 2 * sizeof(typename E::storage_type) * n_layer;
+    std::size_t total = bytes;
+    for (const auto& h : held) total += h.bytes;
+    while (!held.empty() && total > hold_budget()) {  // free the oldest before allocating
+        total -= held.front().bytes;
+        held.erase(held.begin());
+    }
+    held.push_back({key, bytes, std::shared_ptr<cache_t<E>>(make_cache<E>(n_cells, n_kv, n_layer, hkv, rope))});
+    return *static_cast<cache_t<E>*>(held.back().cache.get());
 }
 
 // Enough layers that the working set exceeds the yardstick buffer (cold cache).
@@ -123,17 +145,29 @@ struct kernel_timer {
 };
 
 // Per-iteration work -> counters. Rates use the kernel's own wall-clock time.
+// yardstick_bw: bytes/s of the paired read or rmw yardstick (0 when bytes is 0);
+// fma_peak: lane FMAs/s (0: measure it now).
 void report(benchmark::State& state, const kernel_timer& timer, double bytes, double flops, double fmas,
-            double yardstick_bw, int threads) {
+            double yardstick_bw, double fma_peak, int threads) {
     const double iters = static_cast<double>(state.iterations());
     const double secs = timer.total > 0.0 ? timer.total : 1e-30;
     state.counters["threads"] = threads;
     if (bytes > 0) {
         state.SetBytesProcessed(static_cast<std::int64_t>(bytes * iters));
         state.counters["bw_frac"] = bytes * iters / secs / yardstick_bw;
+        state.counters["yard_GBps"] = yardstick_bw * 1e-9;
     }
     if (flops > 0) state.counters["FLOP/s"] = flops * iters / secs;
-    state.counters["peak_frac"] = fmas * iters / secs / kb::measure_fma_peak(threads, true);
+    if (fma_peak <= 0.0) fma_peak = kb::measure_fma_peak(threads, true);
+    else state.counters["yard_GFMAps"] = fma_peak * 1e-9;
+    state.counters["peak_frac"] = fmas * iters / secs / fma_peak;
+}
+
+// Runs the paired yardstick on `work` outside the benchmark's timed region.
+void pair(benchmark::State& state, kb::paired_yardstick& yard, double work) {
+    state.PauseTiming();
+    yard.add(work);
+    state.ResumeTiming();
 }
 
 // ---------------------------------------------------------------- attention decode
@@ -159,15 +193,17 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
     kvcache::ops::attention(*cache, 0, q.data(), &qp, &qs, 1, p, out.data(), ws);  // size the workspace
     std::uint32_t layer = 0;
     kernel_timer timer;
+    kb::paired_yardstick yard(kb::yardstick_kind::read, threads);
+    const double bytes = static_cast<double>(layer_bytes);
     for (auto _ : state) {
         timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, p, out.data(), ws); });
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
         layer = layer + 1 == n_layer ? 0 : layer + 1;
+        pair(state, yard, bytes);
     }
-    const double bytes = static_cast<double>(layer_bytes);
     const double fmas = 2.0 * n_kv * nh * head_dim;
-    report(state, timer, bytes, 0.0, fmas, kb::measure_read_bw(threads, true), threads);
+    report(state, timer, bytes, 0.0, fmas, yard.rate(), 0.0, threads);
 }
 
 // ---------------------------------------------------------------- decode's access pattern, no arithmetic
@@ -183,7 +219,9 @@ void membw_kv_pattern(benchmark::State& state, int threads) {
     constexpr std::size_t step = 4096 / sizeof(float);
     float sink = 0.0f;
     kernel_timer timer;
+    kb::paired_yardstick yard(kb::yardstick_kind::read, threads);
     for (auto _ : state) {
+        pair(state, yard, static_cast<double>(n * sizeof(float)));  // before: the pattern's pass would be cached otherwise
         timer.run([&] {
             float total = 0.0f;
             KVCACHE_OMP(parallel num_threads(threads) reduction(+ : total))
@@ -210,7 +248,9 @@ void membw_kv_pattern(benchmark::State& state, int threads) {
     const double iters = static_cast<double>(state.iterations());
     state.counters["threads"] = threads;
     state.SetBytesProcessed(static_cast<std::int64_t>(bytes * iters));
-    state.counters["bw_frac"] = bytes * iters / (timer.total > 0.0 ? timer.total : 1e-30) / kb::measure_read_bw(threads, true);
+    const double yard_bw = yard.rate();
+    state.counters["bw_frac"] = bytes * iters / (timer.total > 0.0 ? timer.total : 1e-30) / yard_bw;
+    state.counters["yard_GBps"] = yard_bw * 1e-9;
 }
 
 // ---------------------------------------------------------------- attention prefill
@@ -232,15 +272,18 @@ void attn_prefill(benchmark::State& state, std::uint32_t n_q, int threads, kvcac
     kvcache::ops::attention(*cache, 0, q.data(), qp.data(), qs.data(), n_q, p, out.data(), ws);
     std::uint32_t layer = 0;
     kernel_timer timer;
+    kb::paired_yardstick yard(kb::yardstick_kind::fma, threads);
+    const double pairs = static_cast<double>(n_q) * (n_q + 1) / 2.0;  // causal: unmasked pairs only
+    const double flops = pairs * n_head * 4.0 * head_dim;
     for (auto _ : state) {
         timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), qp.data(), qs.data(), n_q, p, out.data(), ws); });
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
         layer = layer + 1 == n_layer ? 0 : layer + 1;
+        if (path == kvcache::ops::kernel_path::simd) pair(state, yard, flops / 2.0);
     }
-    const double pairs = static_cast<double>(n_q) * (n_q + 1) / 2.0;  // causal: unmasked pairs only
-    const double flops = pairs * n_head * 4.0 * head_dim;
-    report(state, timer, 0.0, flops, flops / 2.0, 1.0, threads);
+    report(state, timer, 0.0, flops, flops / 2.0, 0.0, path == kvcache::ops::kernel_path::simd ? yard.rate() : 0.0,
+           threads);
 }
 
 // ---------------------------------------------------------------- K-shift
@@ -254,16 +297,19 @@ void kshift(benchmark::State& state, kvcache::rope_type type, int threads, kvcac
     cache_t<E>* const cache = &shared_cache<E>(n_cells, n_cells, n_layer, n_head_kv_default, type);
     std::int32_t delta = 1;
     kernel_timer timer;
+    kb::paired_yardstick yard(kb::yardstick_kind::rmw, threads);
+    const double bytes = 2.0 * static_cast<double>(k_layer_bytes) * n_layer;  // read + write, every layer
     for (auto _ : state) {
         state.PauseTiming();
         cache->seq_add(0, 0, -1, delta);  // bookkeeping, not timed
         delta = -delta;
+        if (path == kvcache::ops::kernel_path::simd) yard.add(bytes);
         state.ResumeTiming();
         timer.run([&] { kvcache::ops::apply_k_shift(*cache, threads, path); });
     }
-    const double bytes = 2.0 * static_cast<double>(k_layer_bytes) * n_layer;  // read + write, every layer
     const double fmas = 2.0 * static_cast<double>(n_cells) * n_head_kv_default * head_dim * n_layer;
-    report(state, timer, bytes, 0.0, fmas, kb::measure_rmw_bw(threads, true), threads);
+    report(state, timer, bytes, 0.0, fmas, path == kvcache::ops::kernel_path::simd ? yard.rate() : kb::measure_rmw_bw(threads, true),
+           0.0, threads);
 }
 
 template <class E>
