@@ -12,10 +12,11 @@ plot=${2:-attn_decode_bw_frac.png}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-# Rows to use: median aggregates if present, else iterations.
+# Rows to use, by name (interleaved repetitions leave them in random order): median
+# aggregates if present, else iterations.
 jq -r '
   (.benchmarks | map(select(.aggregate_name == "median")) | length) as $nmed
-  | .benchmarks[]
+  | .benchmarks | sort_by(.run_name // .name) | .[]
   | select(if $nmed > 0 then .aggregate_name == "median" else .run_type == "iteration" end)
   | [(.run_name // .name), (.bw_frac // ""), (.peak_frac // ""), (.bytes_per_second // ""), (.["FLOP/s"] // ""), .real_time, .time_unit]
   | @tsv' "$json" > "$tmp/rows.tsv"
@@ -38,7 +39,7 @@ if [ -s "$tmp/decode.dat" ]; then
     *) term="pngcairo size 800,500" ;;
   esac
   gnuplot -e "set terminal $term noenhanced; set output '$plot'; set logscale x 2; set xlabel 'cached tokens (n_kv)';
-    set ylabel 'bw_frac (achieved / measured read bandwidth)'; set yrange [0:1.2]; set grid; set key bottom right;
+    set ylabel 'bw_frac (achieved / measured read bandwidth)'; set yrange [0:*]; set grid; set key bottom right;
     set title 'attn_decode: D=128, 32 q heads, 8 KV heads'; plot $cmd" 2>/dev/null ||
   gnuplot -e "set terminal ${term#pngcairo }; set output '$plot'; plot $cmd"
   echo "plot: $plot" >&2
