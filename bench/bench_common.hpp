@@ -28,8 +28,11 @@
 #include <string>     // names
 
 #include <kvcache/config.hpp>
+#include <kvcache/layout/kv_storage.hpp>  // huge_page_bytes, detail::advise_huge_pages
 
 namespace kvcache::bench {
+
+using kvcache::huge_page_bytes;
 
 /// Threads an OpenMP region will use for a requested count (<= 0: the OpenMP default).
 using kvcache::resolve_threads;
@@ -46,13 +49,16 @@ inline std::size_t bench_buffer_bytes() {
 namespace detail {
 
 struct free_aligned {
-    void operator()(float* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
+    void operator()(float* p) const noexcept { ::operator delete[](p, std::align_val_t{huge_page_bytes}); }
 };
 using buffer = std::unique_ptr<float[], free_aligned>;
 
-/// A 64-byte aligned buffer of n floats, every page touched (so timing sees no page faults).
+/// A buffer of n floats, every page touched (so timing sees no page faults), placed and
+/// advised like the cache's K/V buffers (2 MiB aligned, huge pages where the kernel
+/// allows): yardstick and kernels then pay the same for address translation.
 inline buffer make_buffer(std::size_t n, float value) {
-    auto* p = static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t{64}));
+    auto* p = static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t{huge_page_bytes}));
+    static_cast<void>(kvcache::detail::advise_huge_pages(p, n * sizeof(float)));
     KVCACHE_OMP(parallel for schedule(static))
     for (std::size_t i = 0; i < n; ++i) p[i] = value;
     return buffer(p);
