@@ -24,8 +24,10 @@ namespace ops {
 /// How the attention kernel asks for K/V ahead of use (cold caches, long contexts).
 /// Which is fastest depends on the core (bench/README.md): measured with kvcache_bench,
 /// `interleaved` was best on an Intel Xeon (0.91 of read bandwidth on one thread against
-/// 0.62 for `burst`), `none` on an AMD Zen 5 (its hardware prefetcher keeps up; `burst`
-/// cost it 37%, `interleaved` 0-7%).
+/// 0.62 for `burst`), `none` on an AMD Zen 5 while memory latency is low (its hardware
+/// prefetcher keeps up; `burst` cost it 37%, `interleaved` 0-7%), but in hours when the
+/// shared VM's memory latency was high `interleaved` ran 1.3-1.5x faster there: on a
+/// busy shared host, try `interleaved`.
 enum class prefetch_mode : std::uint8_t {
     automatic = 0,    ///< interleaved on Intel CPUs, none elsewhere
     burst = 1,        ///< each visited tile asks for all of the tile 4 ahead at once
