@@ -98,6 +98,29 @@ inline float read_range(const float* p, std::size_t b, std::size_t e) {
     return xsimd::hadd((a0 + a1) + (a2 + a3));
 }
 
+/// x[i] *= f over [b, e) in place (the rmw yardstick's loop).
+inline void scale_range(float* p, std::size_t b, std::size_t e, float f) {
+    const batch fb(f);
+    for (std::size_t i = b; i < e; i += lanes) (batch::load_aligned(p + i) * fb).store_aligned(p + i);
+}
+
+/// Independent FMA chains in registers: more than FMA latency x FMA pipes on current x86 cores.
+constexpr int fma_chain_count = 16;
+
+/// fma_chain_count chains of `iters` FMA steps each (the FMA yardstick's loop); returns
+/// their sum so the compiler keeps them.
+inline float fma_chains(std::uint64_t iters) {
+    constexpr int chains = fma_chain_count;
+    batch acc[chains];
+    for (int c = 0; c < chains; ++c) acc[c] = batch(static_cast<float>(c) * 1e-3f);
+    const batch a(0.999999f), b(1e-7f);
+    for (std::uint64_t i = 0; i < iters; ++i)
+        for (int c = 0; c < chains; ++c) acc[c] = xsimd::fma(acc[c], a, b);
+    batch s(0.0f);
+    for (int c = 0; c < chains; ++c) s += acc[c];
+    return xsimd::hadd(s);
+}
+
 /// Splits n (a multiple of 4*lanes) into `parts` chunks that are multiples of 4*lanes.
 inline void chunk(std::size_t n, int parts, int k, std::size_t& b, std::size_t& e) {
     const std::size_t blocks = n / (4 * lanes);
@@ -160,12 +183,11 @@ inline double measure_rmw_impl(int threads) {
     // Alternating factors keep the values bounded over repetitions.
     float factor = 0.5f;
     const double t = median_time(5, [&] {
-        const batch f(factor);
         KVCACHE_OMP(parallel num_threads(threads))
         {
             std::size_t b, e;
             chunk(n, resolve_threads(threads), thread_id(), b, e);
-            for (std::size_t i = b; i < e; i += lanes) (batch::load_aligned(p + i) * f).store_aligned(p + i);
+            scale_range(p, b, e, factor);
         }
         factor = factor == 0.5f ? 2.0f : 0.5f;
     });
@@ -189,29 +211,17 @@ inline double measure_copy_impl(int threads) {
 }
 
 inline double measure_fma_impl(int threads) {
-    // 16 independent chains: more than FMA latency x FMA pipes on current x86 cores.
-    constexpr int chains = 16;
     constexpr std::uint64_t iters = 4'000'000;
     float sink = 0.0f;
     const double t = median_time(5, [&] {
         float total = 0.0f;
         KVCACHE_OMP(parallel num_threads(threads) reduction(+ : total))
-        {
-            batch acc[chains];
-            for (int c = 0; c < chains; ++c) acc[c] = batch(static_cast<float>(c) * 1e-3f);
-            const batch a(0.999999f), b(1e-7f);
-            for (std::uint64_t i = 0; i < iters; ++i) {
-                for (int c = 0; c < chains; ++c) acc[c] = xsimd::fma(acc[c], a, b);
-            }
-            batch s(0.0f);
-            for (int c = 0; c < chains; ++c) s += acc[c];
-            total += xsimd::hadd(s);
-        }
+        total += fma_chains(iters);
         sink += total;
     });
     volatile float keep = sink;
     static_cast<void>(keep);
-    return static_cast<double>(iters) * chains * lanes * resolve_threads(threads) / t;
+    return static_cast<double>(iters) * fma_chain_count * lanes * resolve_threads(threads) / t;
 }
 
 /// Runs body(b, e) on every thread's part of [0, count) (multiples of 4 * lanes) and
@@ -293,10 +303,7 @@ private:
             volatile float keep = sink;
             static_cast<void>(keep);
         } else {
-            const d::batch f(factor_);
-            secs = d::timed_parts(threads_, count, [&](std::size_t b, std::size_t e) {
-                for (std::size_t i = b; i < e; i += d::lanes) (d::batch::load_aligned(p + i) * f).store_aligned(p + i);
-            });
+            secs = d::timed_parts(threads_, count, [&](std::size_t b, std::size_t e) { d::scale_range(p, b, e, factor_); });
             factor_ = factor_ == 0.5f ? 2.0f : 0.5f;  // keeps the values bounded
         }
         offset_ += count;
@@ -306,26 +313,18 @@ private:
 
     void run_fma(double work) {
         namespace d = detail;
-        constexpr int chains = 16;
         const int t = resolve_threads(threads_);
         const auto iters = std::max<std::uint64_t>(
-            1, static_cast<std::uint64_t>(work / (double(chains) * d::lanes * t)));
+            1, static_cast<std::uint64_t>(work / (double(d::fma_chain_count) * d::lanes * t)));
         float sink = 0.0f;
         const double secs = d::timed_parts(threads_, 4 * d::lanes * t, [&](std::size_t, std::size_t) {
-            d::batch acc[chains];
-            for (int c = 0; c < chains; ++c) acc[c] = d::batch(static_cast<float>(c) * 1e-3f);
-            const d::batch a(0.999999f), b(1e-7f);
-            for (std::uint64_t i = 0; i < iters; ++i)
-                for (int c = 0; c < chains; ++c) acc[c] = xsimd::fma(acc[c], a, b);
-            d::batch s(0.0f);
-            for (int c = 0; c < chains; ++c) s += acc[c];
-            const float v = xsimd::hadd(s);
+            const float v = d::fma_chains(iters);
             KVCACHE_OMP(atomic)
             sink += v;
         });
         volatile float keep = sink;
         static_cast<void>(keep);
-        work_ += static_cast<double>(iters) * chains * d::lanes * t;
+        work_ += static_cast<double>(iters) * d::fma_chain_count * d::lanes * t;
         seconds_ += secs;
     }
 

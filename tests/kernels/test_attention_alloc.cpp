@@ -13,6 +13,8 @@
 #include <numeric>
 #include <vector>
 
+#include "../layout/layout_test_util.hpp"
+
 // The replacements below pair malloc with free; GCC, seeing them inlined into new /
 // delete expressions, reports a mismatch that is not one.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -36,12 +38,7 @@ namespace {
 template <class Cache>
 void check_no_alloc(int threads) {
     CAPTURE(threads);
-    kvcache::model_shape s;
-    s.n_layer = 3;
-    s.n_head_kv = 2;
-    s.head_dim_k = 64;
-    s.n_cells = 512;
-    s.n_seq_max = 2;
+    const kvcache::model_shape s = kvtest::layout_shape(512, 2, 3, 2, 64);
     Cache cache(s);
     for (kvcache::seq_id_t sq = 0; sq < 2; ++sq) {  // two sequences, their blocks interleaved
         for (int part = 0; part < 4; ++part) {

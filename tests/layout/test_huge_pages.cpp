@@ -15,19 +15,14 @@
 #include <sstream>
 #include <string>
 
+#include "layout_test_util.hpp"
+
 namespace {
 
 using namespace kvcache;
 
-model_shape big_shape(std::uint32_t n_cells) {
-    model_shape s;
-    s.n_layer = 2;
-    s.n_head_kv = 8;
-    s.head_dim_k = 128;
-    s.n_cells = n_cells;  // 8 heads x 128 x 2 bytes x 2 layers = 4 KiB per cell and buffer
-    s.n_seq_max = 2;
-    return s;
-}
+// 8 heads x 128 x 2 bytes x 2 layers = 4 KiB per cell and buffer.
+model_shape big_shape(std::uint32_t n_cells) { return kvtest::layout_shape(n_cells, 2, 2, 8, 128); }
 
 // The VmFlags of the mapping of /proc/self/smaps that contains address a ("" if none).
 std::string vm_flags_of(std::uintptr_t a) {

@@ -349,9 +349,10 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     // set, 7-12% of a cold 16K decode call on the Zen 5 VM (1 or 2 threads), once per
     // layer; a decode step now pays it once.
     const std::uint64_t stamp = cache.cells().stamp();
-    const bool tiles_ready = ws.tiles_stamp_ == stamp && ws.tiles_n_ == n && ws.tiles_.size() == n_tiles;
+    const bool tiles_ready = ws.tiles_stamp_ == stamp && ws.tiles_n_ == n;  // (tiles_ then has n_tiles entries)
     ws.tiles_stamp_ = 0;  // (invalid until run_items has filled them)
-    ws.tiles_.resize(n_tiles);    kernels::attn_meta meta;
+    ws.tiles_.resize(n_tiles);
+    kernels::attn_meta meta;
     meta.pos = cache.cells().pos_data();
     meta.seqs = cache.cells().seq_data();
     meta.tiles = ws.tiles_.data();
