@@ -2,7 +2,7 @@
 //
 // attn_decode_paged/<type>/n_kv:16384/threads:<t>
 //     One decode query (32 heads, 8 KV heads, head_dim 128) over sequence 0's 16384
-//     tokens in a paged<16> cache where sequence 0 and sequence 1 were appended in
+//     tokens in a paged<32> cache where sequence 0 and sequence 1 were appended in
 //     interleaved chunks of 32 tokens (so sequence 0's blocks are scattered), against
 //     the same query over a contiguous cache holding the same 16384 tokens, timed
 //     alternately in the same run. Counters: bw_frac (sequence 0's K/V bytes per second
@@ -84,7 +84,7 @@ void attn_decode_paged(benchmark::State& state, std::uint32_t n_kv, int threads)
     // Enough layers that the paged cache's working set exceeds the yardstick buffer (cold).
     const auto n_layer = static_cast<std::uint32_t>(std::clamp<std::size_t>(kb::bench_buffer_bytes() / (2 * seq_bytes) + 1, 2, 16));
     constexpr std::uint32_t chunk = 32;
-    kvcache::kv_cache<E, kvcache::paged<16>> paged(shape_for(2 * n_kv, n_layer, 2));
+    kvcache::kv_cache<E, kvcache::paged<32>> paged(shape_for(2 * n_kv, n_layer, 2));
     kvcache::kv_cache<E> contig(shape_for(n_kv, n_layer, 1));
     std::vector<pos_t> pos(chunk);
     for (std::uint32_t p0 = 0; p0 < n_kv; p0 += chunk) {
@@ -264,7 +264,7 @@ void register_all() {
     benchmark::RegisterBenchmark("memory_waste/contiguous", memory_waste<kvcache::kv_cache<f16>>)
         ->Iterations(1)
         ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("memory_waste/paged:16", memory_waste<kvcache::kv_cache<f16, kvcache::paged<16>>>)
+    benchmark::RegisterBenchmark("memory_waste/paged:32", memory_waste<kvcache::kv_cache<f16, kvcache::paged<32>>>)
         ->Iterations(1)
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("memory_waste/paged:64", memory_waste<kvcache::kv_cache<f16, kvcache::paged<64>>>)

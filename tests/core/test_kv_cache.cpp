@@ -96,10 +96,10 @@ TEST_CASE("bytes per token and total bytes (F1, F2)") {
     s.n_layer = 16;
     s.n_head_kv = 8;
     s.head_dim_k = 64;
-    s.n_cells = 100;  // not a multiple of the 16-cell K tile
+    s.n_cells = 100;  // not a multiple of the 32-cell K tile
     kvcache::kv_cache<kvcache::f16> c(s);
     CHECK(c.bytes_per_token() == 32768);
-    CHECK(c.total_bytes() == std::size_t{32768} * 112);  // padded to 7 tiles
+    CHECK(c.total_bytes() == std::size_t{32768} * 128);  // padded to 4 tiles
     kvcache::kv_cache<kvcache::f32> c32(s);
     CHECK(c32.bytes_per_token() == 65536);
     // Different K and V head dims.
@@ -116,16 +116,16 @@ TEST_CASE("storage is zero-initialised (F2)") {
 
 TEST_CASE_TEMPLATE("K/V round trip through every element type", E, kvcache::f32, kvcache::f16, kvcache::bf16) {
     for (auto vl : {0, 1}) {
-        auto s = small_shape();
+        auto s = small_shape(64);
         std::vector<float> k(s.k_row_size()), v(s.v_row_size()), back_k(k.size()), back_v(v.size());
         for (std::size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>(i) * 0.5f - 3.0f;  // exact in bf16
         for (std::size_t i = 0; i < v.size(); ++i) v[i] = 2.0f - static_cast<float>(i) * 0.25f;
         auto run = [&](auto& c) {
-            auto cells = add_tokens(c, 0, 0, 20);  // crosses a 16-cell tile
-            c.write_k(1, std::span(cells).subspan(17, 1), k.data());
-            c.write_v(1, std::span(cells).subspan(17, 1), v.data());
-            c.read_k(1, cells[17], back_k.data());
-            c.read_v(1, cells[17], back_v.data());
+            auto cells = add_tokens(c, 0, 0, 40);  // crosses a 32-cell tile
+            c.write_k(1, std::span(cells).subspan(33, 1), k.data());
+            c.write_v(1, std::span(cells).subspan(33, 1), v.data());
+            c.read_k(1, cells[33], back_k.data());
+            c.read_v(1, cells[33], back_v.data());
             CHECK(back_k == k);
             CHECK(back_v == v);
         };

@@ -38,14 +38,20 @@ namespace kvfuzz {
 
 namespace io = kvcache::io;
 
-/// Shape A (f16; contiguous, paged<16>, ring<8>) and shape B (f32, transposed V, odd sizes).
+/// Shape A (f16; contiguous, paged<32>, ring<8>) and shape B (f32, transposed V, odd sizes).
 inline kvcache::model_shape shape_a() {
     kvcache::model_shape s;
     s.n_layer = 2;
     s.n_head_kv = 2;
     s.head_dim_k = 8;
-    s.n_cells = 128;  // paged<16>: 8 blocks; ring<8>: regions of 32
+    s.n_cells = 128;  // ring<8>: regions of 32
     s.n_seq_max = 4;
+    return s;
+}
+/// Shape A for paged<32>: 8 blocks (the baseline's sequences take 5, one for the shared cell).
+inline kvcache::model_shape shape_a_paged() {
+    kvcache::model_shape s = shape_a();
+    s.n_cells = 256;
     return s;
 }
 inline kvcache::model_shape shape_b() {
@@ -218,7 +224,7 @@ struct targets {
     target<kvcache::kv_cache<kvcache::f16>> a{shape_a()};
     target<kvcache::kv_cache<kvcache::f32, kvcache::contiguous<kvcache::v_layout::transposed>>> b{shape_b()};
 #ifdef KVFUZZ_HAS_PAGED_RING
-    target<kvcache::kv_cache<kvcache::f16, kvcache::paged<16>>> a_paged{shape_a()};
+    target<kvcache::kv_cache<kvcache::f16, kvcache::paged<32>>> a_paged{shape_a_paged()};
     target<kvcache::kv_cache<kvcache::f16, kvcache::ring<8>>> a_ring{shape_a()};
 #endif
     void run(std::span<const std::byte> in) {

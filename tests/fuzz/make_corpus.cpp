@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
     write(dir, "b_seq1_tokens", kvcache::io::save_seq(b, 1, tokens, media));
 #ifdef KVFUZZ_HAS_PAGED_RING
     // States saved from paged and ring caches (their layout_id routes them to those targets).
-    kvcache::kv_cache<kvcache::f16, kvcache::paged<16>> p(kvfuzz::shape_a());
+    kvcache::kv_cache<kvcache::f16, kvcache::paged<32>> p(kvfuzz::shape_a_paged());
     kvfuzz::fill_baseline(p);
     write(dir, "paged_whole", kvcache::io::save_state(p));
     write(dir, "paged_seq0", kvcache::io::save_seq(p, 0, tokens, media));

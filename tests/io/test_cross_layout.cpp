@@ -23,7 +23,7 @@ namespace io = kvcache::io;
 using kvcache::errc;
 using contig = kvcache::kv_cache<kvcache::f16>;
 using contig_vt = kvcache::kv_cache<kvcache::f16, kvcache::contiguous<kvcache::v_layout::transposed>>;
-using paged = kvcache::kv_cache<kvcache::f16, kvcache::paged<16>>;
+using paged = kvcache::kv_cache<kvcache::f16, kvcache::paged<32>>;
 using paged_vt = kvcache::kv_cache<kvcache::f16, kvcache::paged<32, kvcache::v_layout::transposed>>;
 using ring = kvcache::kv_cache<kvcache::f16, kvcache::ring<8>>;
 
@@ -85,10 +85,10 @@ TEST_CASE_TEMPLATE("contiguous <-> paged, whole cache and one sequence", Paged, 
 }
 
 TEST_CASE("paged refuses a state whose sequences need more blocks than it has; nothing changes") {
-    contig c(io_shape(32, 3));
+    contig c(io_shape(64, 3));
     std::mt19937 rng(5);
     for (seq_id_t s = 0; s < 3; ++s) append(c, s, 5, rng);  // 15 cells, but 3 sequences need 3 blocks
-    paged p(io_shape(32, 3));                                  // 2 blocks of 16
+    paged p(io_shape(64, 3));                                  // 2 blocks of 32
     append(p, 0, 4, rng);
     const auto snap = snapshot(p);
     auto r = io::load_state(p, io::save_state(c));

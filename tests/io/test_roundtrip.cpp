@@ -33,7 +33,7 @@ std::vector<kvcache::token_t> random_tokens(std::mt19937& rng, std::size_t n) {
 
 template <class Cache>
 kvcache::model_shape shape_for() {
-    // f32 with head_dim_v != head_dim_k; the others with equal dims; capacity not a multiple of 16.
+    // f32 with head_dim_v != head_dim_k and a capacity (72) that is not a multiple of the K tile; the others with equal dims.
     if constexpr (std::is_same_v<typename Cache::element, kvcache::f32>) return io_shape(72, 4, 2, 2, 8, 12);
     return io_shape(64, 4, 3, 2, 8);
 }
@@ -266,5 +266,42 @@ TEST_CASE_TEMPLATE("NeoX caches keep K rows in pair order; their states keep dim
             REQUIRE(io::load_seq(e, 1, saves_x[1]).ok());  // one sequence: lanes moved one by one
             CHECK(picture(e, 1, 1) == picture(cx, 0, 1));
         }
+    }
+}
+
+TEST_CASE("the format's 16-cell K tiles land in either half of the cache's 32-cell tiles, both pair layouts") {
+    for (auto rope : {kvcache::rope_type::normal, kvcache::rope_type::neox}) {
+        CAPTURE(static_cast<int>(rope));
+        auto sh = io_shape(128, 2, 2, 2, 8);
+        sh.rope.type = rope;
+        using Cache = kvcache::kv_cache<kvcache::f16>;
+        Cache a(sh), b(sh);
+        std::mt19937 rng(base_seed() + 61);
+        REQUIRE(append(a, 1, 16, rng));  // cells [0, 16): sequence 0 starts in the second half of tile 0
+        REQUIRE(append(a, 0, 48, rng));  // cells [16, 64)
+        REQUIRE(append(b, 1, 3, rng));   // b: sequence 0 will start at cell 3, unaligned (lanes moved one by one)
+        const auto saved = io::save_seq(a, 0);
+        auto r = io::load_seq(b, 0, saved);
+        REQUIRE_MESSAGE(r.ok(), r.message());
+        Cache c(sh);  // c: sequence 0 at cells [0, 48): first half of tile 0, tile 1 split in halves
+        r = io::load_seq(c, 0, saved);
+        REQUIRE_MESSAGE(r.ok(), r.message());
+        // Every position of sequence 0 holds the same K/V in a, b and c, dimension by dimension.
+        std::vector<float> ka(sh.k_row_size()), kx(ka.size()), va(sh.v_row_size()), vx(va.size());
+        for (const Cache* x : {&b, &c})
+            for (std::uint32_t ca = 16; ca < 64; ++ca) {
+                std::uint32_t cx = 0;
+                while (x->cells().pos(cx) != a.cells().pos(ca) || !x->cells().seqs(cx).test(0)) ++cx;
+                for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
+                    a.read_k(l, ca, ka.data());
+                    x->read_k(l, cx, kx.data());
+                    a.read_v(l, ca, va.data());
+                    x->read_v(l, cx, vx.data());
+                    REQUIRE(kx == ka);
+                    REQUIRE(vx == va);
+                }
+            }
+        CHECK(io::save_seq(b, 0) == saved);
+        CHECK(io::save_seq(c, 0) == saved);
     }
 }

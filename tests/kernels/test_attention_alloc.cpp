@@ -74,6 +74,6 @@ void check_no_alloc(int threads) {
 
 TEST_CASE("attention allocates nothing once the workspace is sized") {
     check_no_alloc<kvcache::kv_cache<kvcache::f16>>(1);
-    check_no_alloc<kvcache::kv_cache<kvcache::f16, kvcache::paged<16>>>(1);
-    check_no_alloc<kvcache::kv_cache<kvcache::f16, kvcache::paged<16>>>(2);
+    check_no_alloc<kvcache::kv_cache<kvcache::f16, kvcache::paged<32>>>(1);
+    check_no_alloc<kvcache::kv_cache<kvcache::f16, kvcache::paged<32>>>(2);
 }

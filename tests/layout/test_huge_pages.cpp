@@ -69,7 +69,7 @@ TEST_CASE("huge pages: big K/V buffers are 2 MiB aligned and advised") {
         check_big(cache);
     }
     SUBCASE("paged") {
-        const kv_cache<f16, paged<16>> cache(big_shape(4096));
+        const kv_cache<f16, paged<32>> cache(big_shape(4096));
         check_big(cache);
     }
     SUBCASE("ring") {

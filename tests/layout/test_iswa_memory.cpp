@@ -84,7 +84,7 @@ TEST_CASE("iswa: configuration errors") {
 }
 
 TEST_CASE_TEMPLATE("iswa: attention per layer equals the reference for its layer type", Iswa, iswa_cache<W, f32>,
-                   iswa_cache<W, f32, paged<16>>) {
+                   iswa_cache<W, f32, paged<32>>) {
     const std::uint32_t seed = 41;
     std::printf("iswa test seed %u\n", seed);
     std::mt19937 rng(seed);
@@ -256,9 +256,9 @@ TEST_CASE("memory accounting: reserved, used, held and waste per layout") {
     std::mt19937 rng(43);
     const auto shape = kvtest::layout_shape(256, 4);
     kv_cache<f16> contig(shape);
-    kv_cache<f16, paged<16>> paged_c(shape);
+    kv_cache<f16, paged<32>> paged_c(shape);
     kvtest::layout_model m1(4), m2(4);
-    const std::uint32_t lens[4] = {5, 16, 17, 40};
+    const std::uint32_t lens[4] = {5, 32, 33, 80};
     for (seq_id_t s = 0; s < 4; ++s) {
         REQUIRE(kvtest::append(contig, m1, s, 0, lens[s], rng));
         REQUIRE(kvtest::append(paged_c, m2, s, 0, lens[s], rng));
@@ -268,18 +268,18 @@ TEST_CASE("memory accounting: reserved, used, held and waste per layout") {
     const std::size_t bpt = contig.bytes_per_token();
     const auto a = ops::memory(contig);
     CHECK(a.reserved_bytes == contig.total_bytes());
-    CHECK(a.used_bytes == 78 * bpt);
+    CHECK(a.used_bytes == 150 * bpt);
     CHECK(a.held_bytes == a.used_bytes);
     CHECK(a.waste_fraction() == 0.0);
     const auto b = ops::memory(paged_c);
-    CHECK(b.used_bytes == 78 * bpt);
-    CHECK(b.held_bytes == (1 + 1 + 2 + 3) * 16 * bpt);  // blocks per sequence: ceil(len / 16)
-    CHECK(b.waste_bytes() == (112 - 78) * bpt);
+    CHECK(b.used_bytes == 150 * bpt);
+    CHECK(b.held_bytes == (1 + 1 + 2 + 3) * 32 * bpt);  // blocks per sequence: ceil(len / 32)
+    CHECK(b.waste_bytes() == (224 - 150) * bpt);
     // forks share blocks: used and held do not grow
     paged_c.seq_rm(0, -1, -1);
     paged_c.seq_cp(3, 0, -1, -1);
     CHECK(ops::memory(paged_c).used_bytes == b.used_bytes - 5 * bpt);
-    CHECK(ops::memory(paged_c).held_bytes == b.held_bytes - 16 * bpt);
+    CHECK(ops::memory(paged_c).held_bytes == b.held_bytes - 32 * bpt);
     kv_cache<f16, ring<W>> r(kvtest::layout_shape(ring<W>::cells_for(4, 8), 4));
     kvtest::layout_model m3(4);
     REQUIRE(kvtest::append(r, m3, 2, 0, 8, rng));

@@ -182,9 +182,9 @@ TEST_CASE("random operations: contiguous matches the reference model") {
 }
 
 TEST_CASE("random operations: paged matches the reference model") {
-    run_random<kv_cache<f32, paged<16>>>(kvtest::layout_shape(256, 4), 201, 800);
+    run_random<kv_cache<f32, paged<32>>>(kvtest::layout_shape(256, 4), 201, 800);
     run_random<kv_cache<f16, paged<32, v_layout::transposed>>>(kvtest::layout_shape(256, 3), 202, 600);
-    run_random<kv_cache<f32, paged<16>>>(kvtest::layout_shape(64, 4), 203, 800);  // tight: many refusals
+    run_random<kv_cache<f32, paged<32>>>(kvtest::layout_shape(64, 4), 203, 800);  // tight: many refusals
 }
 
 TEST_CASE("random operations: ring matches the reference model with pruning, refuses what it cannot do") {

@@ -21,7 +21,7 @@
 namespace {
 
 using namespace kvcache;
-using cache_t = kv_cache<f16, paged<16>>;
+using cache_t = kv_cache<f16, paged<32>>;
 
 /// Raw K/V bytes (every layer) of every cell sequence s uses, by position.
 std::multimap<pos_t, std::vector<cache_t::storage_type>> seq_bytes(const cache_t& cache, seq_id_t s) {
@@ -81,19 +81,19 @@ TEST_CASE("paged: configuration errors name the parameter") {
 }
 
 TEST_CASE("paged: sequences fill their own blocks; empty blocks return to the pool") {
-    cache_t cache(kvtest::layout_shape(128, 3));
+    cache_t cache(kvtest::layout_shape(256, 3));
     kvtest::layout_model model(3);
     std::mt19937 rng(7);
     std::printf("paged blocks test seed 7\n");
     // interleaved appends of two sequences never mix in one block
     for (int round = 0; round < 5; ++round)
         for (seq_id_t s = 0; s < 2; ++s) {
-            REQUIRE(kvtest::append(cache, model, s, round * 5, 5, rng));
+            REQUIRE(kvtest::append(cache, model, s, round * 10, 10, rng));
             cache.commit();
             check_inv(cache);
         }
     for (std::uint32_t b = 0; b < cache.storage().n_blocks(); ++b) CHECK(cache.storage().refcount(b) <= 1);
-    CHECK(cache.storage().block_table(0).size() == 2);  // 25 tokens in blocks of 16
+    CHECK(cache.storage().block_table(0).size() == 2);  // 50 tokens in blocks of 32
     CHECK(cache.storage().block_table(1).size() == 2);
     CHECK(cache.storage().referenced_blocks() == 4);
     cache.seq_rm(0, -1, -1);
@@ -101,8 +101,8 @@ TEST_CASE("paged: sequences fill their own blocks; empty blocks return to the po
     CHECK(cache.storage().referenced_blocks() == 2);
     CHECK(cache.storage().block_table(0).empty());
     // holes left by seq_rm in a sequence's own blocks are reused before a new block
-    cache.seq_rm(1, 0, 10);
-    REQUIRE(kvtest::append(cache, model, 1, 100, 10, rng));
+    cache.seq_rm(1, 0, 20);
+    REQUIRE(kvtest::append(cache, model, 1, 100, 20, rng));
     cache.commit();
     CHECK(cache.storage().referenced_blocks() == 2);
     check_inv(cache);
@@ -113,9 +113,9 @@ TEST_CASE("paged: sequences fill their own blocks; empty blocks return to the po
 }
 
 TEST_CASE("paged: fork shares blocks; copy-on-write keeps the other sequence's bytes; refcounts return") {
-    for (std::uint32_t prompt : {16u, 20u, 37u}) {
+    for (std::uint32_t prompt : {32u, 36u, 69u}) {
         CAPTURE(prompt);
-        cache_t cache(kvtest::layout_shape(256, 4));
+        cache_t cache(kvtest::layout_shape(512, 4));
         kvtest::layout_model model(4);
         std::mt19937 rng(prompt);
         const auto initial = refcounts(cache);
@@ -147,7 +147,7 @@ TEST_CASE("paged: fork shares blocks; copy-on-write keeps the other sequence's b
             }
         REQUIRE(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
         // full prompt blocks stay shared; a partial last block was copied per sequence
-        const std::uint32_t full = prompt / 16;
+        const std::uint32_t full = prompt / 32;
         std::uint32_t shared = 0;
         for (std::uint32_t b = 0; b < cache.storage().n_blocks(); ++b) shared += cache.storage().refcount(b) == 4;
         CHECK(shared == full);
@@ -192,13 +192,13 @@ TEST_CASE("paged: seq_add on a shared prefix gives the moving sequence blocks of
     cache_t cache(kvtest::layout_shape(128, 2));
     kvtest::layout_model model(2);
     std::mt19937 rng(12);
-    REQUIRE(kvtest::append(cache, model, 0, 0, 32, rng));
+    REQUIRE(kvtest::append(cache, model, 0, 0, 64, rng));
     cache.commit();
     cache.seq_cp(0, 1, -1, -1);
     model.seq_cp(0, 1, -1, -1);
     const auto bytes0 = seq_bytes(cache, 0);
-    cache.seq_add(1, 8, -1, 100);
-    model.seq_add(1, 8, -1, 100);
+    cache.seq_add(1, 16, -1, 100);
+    model.seq_add(1, 16, -1, 100);
     check_inv(cache);
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
     CHECK(seq_bytes(cache, 0) == bytes0);
@@ -211,24 +211,24 @@ TEST_CASE("paged: seq_add on a shared prefix gives the moving sequence blocks of
     const auto t0 = cache.storage().block_table(0);
     for (std::uint32_t c : cache.cells().used_cells())
         if (cache.cells().seqs(c).test(1) && !cache.cells().seqs(c).test(0))
-            CHECK(std::find(t0.begin(), t0.end(), c / 16) == t0.end());
+            CHECK(std::find(t0.begin(), t0.end(), c / 32) == t0.end());
 }
 
 TEST_CASE("paged: a full pool refuses placement and splits with no_space, nothing changed") {
-    cache_t cache(kvtest::layout_shape(64, 4));
+    cache_t cache(kvtest::layout_shape(128, 4));
     kvtest::layout_model model(4);
     std::mt19937 rng(13);
     for (seq_id_t s = 0; s < 4; ++s) {
-        REQUIRE(kvtest::append(cache, model, s, 0, 3, rng));  // one block each, 13 free cells in each
+        REQUIRE(kvtest::append(cache, model, s, 0, 3, rng));  // one block each, 29 free cells in each
         cache.commit();
     }
     CHECK(cache.storage().free_blocks() == 0);
     CHECK(cache.used() == 12);
     const auto before = kvtest::observe(cache);
-    // sequence 0 cannot open a block, even with 52 free cells in other sequences' blocks
-    std::vector<pos_t> pos(14);
-    std::vector<seq_id_t> seq(14, 0);
-    for (int i = 0; i < 14; ++i) pos[static_cast<std::size_t>(i)] = 3 + i;
+    // sequence 0 cannot open a block, even with 87 free cells in other sequences' blocks
+    std::vector<pos_t> pos(30);
+    std::vector<seq_id_t> seq(30, 0);
+    for (int i = 0; i < 30; ++i) pos[static_cast<std::size_t>(i)] = 3 + i;
     auto r = cache.place(pos, seq);
     REQUIRE_FALSE(r.ok());
     CHECK(r.code() == errc::no_space);
@@ -239,11 +239,11 @@ TEST_CASE("paged: a full pool refuses placement and splits with no_space, nothin
     // a fork whose sequence then moves needs new blocks too: refused, unchanged
     cache.seq_rm(1, -1, -1);
     cache.seq_cp(0, 1, -1, -1);
-    REQUIRE(kvtest::append(cache, model, 2, 3, 13, rng));  // fill sequence 2's block
+    REQUIRE(kvtest::append(cache, model, 2, 3, 29, rng));  // fill sequence 2's block
     cache.commit();
     REQUIRE(cache.storage().free_blocks() == 1);
-    REQUIRE(kvtest::append(cache, model, 3, 3, 13, rng));
-    REQUIRE(kvtest::append(cache, model, 3, 16, 1, rng));  // takes the last free block
+    REQUIRE(kvtest::append(cache, model, 3, 3, 29, rng));
+    REQUIRE(kvtest::append(cache, model, 3, 32, 1, rng));  // takes the last free block
     cache.commit();
     const auto before3 = kvtest::observe(cache);
     CHECK(cache.storage().free_blocks() == 0);
@@ -253,16 +253,16 @@ TEST_CASE("paged: a full pool refuses placement and splits with no_space, nothin
 }
 
 TEST_CASE("paged: moving the cache keeps the block tables attached") {
-    cache_t a(kvtest::layout_shape(64, 2));
+    cache_t a(kvtest::layout_shape(128, 2));
     kvtest::layout_model model(2);
     std::mt19937 rng(14);
-    REQUIRE(kvtest::append(a, model, 0, 0, 20, rng));
+    REQUIRE(kvtest::append(a, model, 0, 0, 40, rng));
     a.commit();
     cache_t b(std::move(a));
     REQUIRE(kvtest::append(b, model, 1, 0, 5, rng));
     b.commit();
     check_inv(b);
-    cache_t c(kvtest::layout_shape(64, 2));
+    cache_t c(kvtest::layout_shape(128, 2));
     c = std::move(b);
     c.seq_rm(0, -1, -1);
     check_inv(c);
@@ -276,7 +276,7 @@ TEST_CASE("paged: K-shift over blocks gives every sequence the same K as on the 
     const std::uint32_t seed = 15;
     std::printf("paged K-shift test seed %u\n", seed);
     using contig_t = kv_cache<f32>;
-    using paged_t = kv_cache<f32, paged<16>>;
+    using paged_t = kv_cache<f32, paged<32>>;
     const auto shape = kvtest::layout_shape(256, 3, 2, 2, 16);
     contig_t a(shape);
     paged_t b(shape);

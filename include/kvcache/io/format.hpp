@@ -30,9 +30,10 @@
 //                         written only when some saved sequence has one
 //                data:    for each layer: K then V, for each KV head:
 //                           K: ceil(n_cells/16) tiles of [head_dim_k][16 cells] elements
-//                              (the cache's own K tiling, rows in dimension order even
-//                              where the cache keeps NeoX pair order; lanes past
-//                              n_cells are zero)
+//                              (rows in dimension order even where the cache keeps NeoX
+//                              pair order; lanes past n_cells are zero). The cache's own
+//                              K tiles are 32 cells wide (layout/kv_storage.hpp); the
+//                              format keeps 16 so that files do not depend on it
 //                           V: n_cells rows of head_dim_v elements
 //   end-8  8     XXH3-64 of every byte before it
 //
@@ -67,6 +68,8 @@ static_assert(std::endian::native == std::endian::little,
 inline constexpr std::uint32_t state_magic = 0x5453564Bu;
 /// Format version written by this library; the only one it reads.
 inline constexpr std::uint32_t state_version = 1;
+/// Cells per K tile in the format (see "data" above), whatever the cache's k_tile.
+inline constexpr std::uint32_t state_k_lanes = 16;
 /// Bytes before the token list.
 inline constexpr std::size_t state_header_size = 104;
 /// Bytes of the trailing checksum.

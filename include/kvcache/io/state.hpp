@@ -154,20 +154,23 @@ constexpr void require_raw_view() {
                   "(see layout/kv_storage.hpp)");
 }
 
-/// How the K/V of saved cell i (format order) maps to cell map[i] of the storage:
-/// whole aligned tiles and runs of consecutive V rows become single memcpys.
+/// How the K/V of saved cell i (format order) maps to cell map[i] of the storage. A
+/// format K tile (state_k_lanes cells) whose cells are 16 consecutive storage cells
+/// starting at a multiple of 16 is one aligned part of a storage tile: each of its rows
+/// moves as one 16-lane memcpy. Runs of consecutive V rows become single memcpys.
 struct copy_plan {
     struct run {
-        std::uint32_t from;  ///< first saved tile (K) or saved cell (V)
-        std::uint32_t to;    ///< first storage tile (K) or cell (V); unused for lane segments
-        std::uint32_t len;   ///< tiles (K) or cells (V)
+        std::uint32_t from;  ///< first saved format tile (K) or saved cell (V)
+        std::uint32_t to;    ///< first storage 16-cell group (K) or cell (V); unused for lane segments
+        std::uint32_t len;   ///< format tiles (K) or cells (V)
         bool lanes;          ///< K: one saved tile whose cells are copied one by one
     };
-    std::vector<run> k_segs;  ///< every saved tile in order: runs of whole aligned tiles, or lane segments
+    std::vector<run> k_segs;  ///< every saved format tile in order: runs of aligned tiles, or lane segments
     std::vector<run> v_runs;  ///< every saved cell in order: consecutive saved cells in consecutive storage cells
     std::uint32_t n_cells = 0;
-    std::uint32_t n_tiles = 0;  ///< ceil(n_cells / 16)
+    std::uint32_t n_tiles = 0;  ///< format tiles: ceil(n_cells / state_k_lanes)
 };
+static_assert(k_tile % state_k_lanes == 0, "a format K tile must be an aligned part of a storage K tile");
 
 /// Appends {from, to, 1} to runs, or extends the last run when both sides continue it.
 inline void add_to_run(std::vector<copy_plan::run>& runs, std::uint32_t from, std::uint32_t to, bool lanes) {
@@ -181,12 +184,13 @@ inline void add_to_run(std::vector<copy_plan::run>& runs, std::uint32_t from, st
 inline copy_plan make_copy_plan(std::span<const std::uint32_t> map) {
     copy_plan p;
     p.n_cells = static_cast<std::uint32_t>(map.size());
-    p.n_tiles = (p.n_cells + k_tile - 1) / k_tile;
+    constexpr std::uint32_t w = state_k_lanes;
+    p.n_tiles = (p.n_cells + w - 1) / w;
     for (std::uint32_t t = 0; t < p.n_tiles; ++t) {
-        const std::uint32_t first = t * k_tile;
-        bool aligned = first + k_tile <= p.n_cells && map[first] % k_tile == 0;
-        for (std::uint32_t j = 1; aligned && j < k_tile; ++j) aligned = map[first + j] == map[first] + j;
-        add_to_run(p.k_segs, t, aligned ? map[first] / k_tile : 0, !aligned);
+        const std::uint32_t first = t * w;
+        bool aligned = first + w <= p.n_cells && map[first] % w == 0;
+        for (std::uint32_t j = 1; aligned && j < w; ++j) aligned = map[first + j] == map[first] + j;
+        add_to_run(p.k_segs, t, aligned ? map[first] / w : 0, !aligned);
     }
     for (std::uint32_t i = 0; i < p.n_cells; ++i) add_to_run(p.v_runs, i, map[i], false);
     return p;
@@ -198,8 +202,8 @@ struct layer_sizes {
 };
 
 inline std::optional<layer_sizes> sizes_for(const fingerprint& f, std::uint64_t n_cells) {
-    const std::uint64_t tiles = (n_cells + k_tile - 1) / k_tile;
-    const auto k_elems = mul_u64(tiles, std::uint64_t{k_tile} * f.head_dim_k);
+    const std::uint64_t tiles = (n_cells + state_k_lanes - 1) / state_k_lanes;
+    const auto k_elems = mul_u64(tiles, std::uint64_t{state_k_lanes} * f.head_dim_k);
     const auto v_elems = mul_u64(n_cells, f.head_dim_v);
     if (!k_elems || !v_elems) return std::nullopt;
     const auto k_head = mul_u64(*k_elems, f.elem_size);
@@ -238,38 +242,35 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
             hashed(f + o, m);
         }
     };
-    const std::size_t tile_bytes = std::size_t{k_tile} * v.dim_k * es;
+    constexpr std::uint32_t w = state_k_lanes;
+    const std::size_t tile_bytes = std::size_t{w} * v.dim_k * es;  // one format K tile
     const std::size_t row_bytes = std::size_t{v.dim_v} * es;
-    // The format keeps K rows in dimension order; the cache stores them in RoPE pair
-    // order (layout/kv_storage.hpp), which differs for NeoX: whole tiles then move row
-    // by row (16 lanes of one dimension at a time).
-    const bool same_rows = v.neox_rot == 0;
+    // A format tile's rows are 16 lanes of one dimension, in dimension order; in the
+    // storage they are part of a k_tile-wide row, in RoPE pair order (layout/kv_storage.hpp,
+    // which differs for NeoX): an aligned tile moves row by row, 16 lanes at a time.
     std::size_t at = 0;  // format offset of the current head's K or V block
     for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_tiles} * tile_bytes) {
         for (const auto& sg : p.k_segs) {
             const std::size_t f0 = at + sg.from * tile_bytes;
-            if (!sg.lanes && same_rows) {
-                move_run(f0, v.k_tile_ptr(h, sg.to), sg.len * tile_bytes);
-                continue;
-            }
             if (!sg.lanes) {
                 for (std::uint32_t t = 0; t < sg.len; ++t) {
-                    T* tile = v.k_tile_ptr(h, sg.to + t);
+                    const std::uint32_t c0 = (sg.to + t) * w;  // first storage cell
+                    T* part = v.k_tile_ptr(h, c0 / k_tile) + c0 % k_tile;
                     const std::size_t ft = f0 + t * tile_bytes;
                     for (std::uint32_t d = 0; d < v.dim_k; ++d)
-                        move(ft + std::size_t{d} * k_tile * es, tile + std::size_t{v.k_row(d)} * k_tile, k_tile * es);
+                        move(ft + std::size_t{d} * w * es, part + std::size_t{v.k_row(d)} * k_tile, w * es);
                     hashed(ft, tile_bytes);
                 }
                 continue;
             }
-            const std::uint32_t n = std::min(k_tile, p.n_cells - sg.from * k_tile);
+            const std::uint32_t n = std::min(w, p.n_cells - sg.from * w);
             if constexpr (Save)
-                if (n < k_tile) std::memset(fmt + f0, 0, tile_bytes);  // lanes past n_cells stay zero
-            std::size_t base[k_tile];  // dimension d of lane j is at v.k[base[j] + k_row(d) * 16]
-            for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[sg.from * k_tile + j], 0);
+                if (n < w) std::memset(fmt + f0, 0, tile_bytes);  // lanes past n_cells stay zero
+            std::size_t base[w];  // dimension d of lane j is at v.k[base[j] + k_row(d) * k_tile]
+            for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[sg.from * w + j], 0);
             for (std::uint32_t d = 0; d < v.dim_k; ++d)
                 for (std::uint32_t j = 0; j < n; ++j)
-                    move(f0 + (std::size_t{d} * k_tile + j) * es, v.k + base[j] + std::size_t{v.k_row(d)} * k_tile, es);
+                    move(f0 + (std::size_t{d} * w + j) * es, v.k + base[j] + std::size_t{v.k_row(d)} * k_tile, es);
             hashed(f0, tile_bytes);
         }
     }
@@ -623,15 +624,16 @@ result<staged_state> parse_state(const char* fn, const Cache& cache, std::span<c
     st.data = r.take(static_cast<std::size_t>(*data_bytes));
 
     // Lanes past n_cells in the last K tile are zero in every state the saver writes.
-    const std::uint32_t tail = static_cast<std::uint32_t>(n % k_tile);
+    constexpr std::uint32_t w = state_k_lanes;
+    const std::uint32_t tail = static_cast<std::uint32_t>(n % w);
     if (tail != 0) {
         const std::size_t es = f.elem_size;
-        const std::size_t tile_bytes = std::size_t{k_tile} * f.head_dim_k * es;
+        const std::size_t tile_bytes = std::size_t{w} * f.head_dim_k * es;
         for (std::uint32_t l = 0; l < f.n_layer; ++l)
             for (std::uint32_t h = 0; h < f.n_head_kv; ++h) {
                 const std::byte* last = st.data + l * ls->layer + h * ls->k_head + ls->k_head - tile_bytes;
                 for (std::uint32_t d = 0; d < f.head_dim_k; ++d)
-                    for (std::size_t b = (d * std::size_t{k_tile} + tail) * es; b < (d + 1) * std::size_t{k_tile} * es; ++b)
+                    for (std::size_t b = (d * std::size_t{w} + tail) * es; b < (d + 1) * std::size_t{w} * es; ++b)
                         if (last[b] != std::byte{0})
                             return err(errc::invalid_cell, "layer " + std::to_string(l) + " head " + std::to_string(h) +
                                                                ": K padding lanes past cell " + std::to_string(n) +

@@ -2,12 +2,12 @@
 //
 // Assumptions (checked by the caller, ops/kshift.hpp):
 // - K is tiled as in layout/kv_storage.hpp: tile t of head h holds cells
-//   [16t, 16t + 16), row-major ([row][16 cells]), rows in RoPE pair order: pair i
+//   [32t, 32t + 32), row-major ([row][32 cells]), rows in RoPE pair order: pair i
 //   of either pair layout (normal or NeoX) is rows (2i, 2i + 1).
 // - Every tile visited carries a tile_rotation: the cells of the tile that move
 //   (lane mask) and where their cos/sin come from (one shared delta, or one per cell).
 //
-// Why it is fast: a pair of a tile is two adjacent rows of 16 cells, so one rotation
+// Why it is fast: a pair of a tile is two adjacent rows of 32 cells, so one rotation
 // is 16-lane multiplies of whole rows with per-lane (or broadcast) cos/sin: no
 // shuffles, and the tile is walked in address order for either pair layout. When
 // every moving cell of a tile shares one delta (the usual seq_add case) the cos/sin
@@ -32,41 +32,48 @@ namespace kernels {
 
 /// How one K tile moves.
 struct tile_rotation {
-    std::uint32_t tile = 0;   ///< tile index (cells [16*tile, 16*tile + 16))
-    std::uint16_t mask = 0;   ///< bit j: cell 16*tile + j moves
+    std::uint32_t tile = 0;   ///< tile index (cells [32*tile, 32*tile + 32))
+    tile_mask mask = 0;       ///< bit j: cell 32*tile + j moves
     bool uniform = false;     ///< every moving cell uses table `table`
     std::uint32_t table = 0;  ///< uniform: index of the delta's cos/sin table
-    /// !uniform: per-lane cos/sin, [pair][16] each, in caller-owned scratch.
+    /// !uniform: per-lane cos/sin, [pair][k_tile] each, in caller-owned scratch.
     const float* lane_cos = nullptr;
     const float* lane_sin = nullptr;
 };
 
-/// Rotates n_pairs row pairs (rows 2i and 2i + 1 from p) of one sub-batch of lanes.
+/// Sub-batches of simd::lanes cells in one K tile row.
+inline constexpr std::size_t kshift_batches = k_tile / simd::lanes;
+
+/// Rotates n_pairs row pairs (rows 2i and 2i + 1 from p) of a tile, all k_tile lanes of
+/// each pair before the next pair, so the tile is read and written once in address order.
 /// Uniform: pair i uses the scalars cs[i], sn[i]; otherwise the lanes at cs + i * k_tile,
-/// sn + i * k_tile. Partial: lanes outside `keep` are written back unchanged. The flags
-/// are template parameters so that the loop has no branch.
+/// sn + i * k_tile. Partial: lanes outside `keep` (one mask per sub-batch) are written
+/// back unchanged. The flags are template parameters so that the loop has no branch.
 /// pf (may be null): a tile rotated later; pair i asks for its bytes [i, i + 1) * pf_step.
 template <bool Uniform, bool Partial, class T>
-inline void rotate_rows(T* p, std::uint32_t n_pairs, const float* cs, const float* sn, xsimd::batch_bool<float> keep,
-                        const char* pf) noexcept {
+inline void rotate_rows(T* p, std::uint32_t n_pairs, const float* cs, const float* sn,
+                        const xsimd::batch_bool<float> (&keep)[kshift_batches], const char* pf) noexcept {
     using simd::fbatch;
+    constexpr std::size_t L = simd::lanes, B = kshift_batches;
     constexpr std::size_t step = 2 * k_tile, off = k_tile;  // elements: next pair, partner row
     constexpr std::size_t pf_step = 2 * k_tile * sizeof(T);  // bytes of one pair's two rows
-#pragma GCC unroll 4
+#pragma GCC unroll 2
     for (std::uint32_t i = 0; i < n_pairs; ++i, p += step) {
         if (pf != nullptr)
             for (std::size_t o = 0; o < pf_step; o += 64) __builtin_prefetch(pf + std::size_t{i} * pf_step + o, 1, 3);
-        const fbatch x0 = simd::load(p), x1 = simd::load(p + off);
-        const fbatch c = Uniform ? fbatch(cs[i]) : fbatch::load_unaligned(cs + std::size_t{i} * k_tile);
-        const fbatch s = Uniform ? fbatch(sn[i]) : fbatch::load_unaligned(sn + std::size_t{i} * k_tile);
-        fbatch y0 = xsimd::fms(x0, c, x1 * s);
-        fbatch y1 = xsimd::fma(x0, s, x1 * c);
-        if constexpr (Partial) {
-            y0 = xsimd::select(keep, y0, x0);
-            y1 = xsimd::select(keep, y1, x1);
+        for (std::size_t b = 0; b < B; ++b) {
+            const fbatch x0 = simd::load(p + b * L), x1 = simd::load(p + off + b * L);
+            const fbatch c = Uniform ? fbatch(cs[i]) : fbatch::load_unaligned(cs + std::size_t{i} * k_tile + b * L);
+            const fbatch s = Uniform ? fbatch(sn[i]) : fbatch::load_unaligned(sn + std::size_t{i} * k_tile + b * L);
+            fbatch y0 = xsimd::fms(x0, c, x1 * s);
+            fbatch y1 = xsimd::fma(x0, s, x1 * c);
+            if constexpr (Partial) {
+                y0 = xsimd::select(keep[b], y0, x0);
+                y1 = xsimd::select(keep[b], y1, x1);
+            }
+            simd::store(p + b * L, y0);
+            simd::store(p + off + b * L, y1);
         }
-        simd::store(p, y0);
-        simd::store(p + off, y1);
     }
 }
 
@@ -77,32 +84,28 @@ template <class T>
 inline void rotate_tile(T* tile, std::uint32_t n_rot, const tile_rotation& rot, const float* cos_tab,
                         const float* sin_tab, const char* pf = nullptr) noexcept {
     constexpr std::size_t L = simd::lanes;
+    constexpr tile_mask sub_all = L >= 32 ? ~tile_mask{0} : (tile_mask{1} << L) - 1;
     const std::uint32_t n_pairs = n_rot / 2;
     // Lanes of sub-batch b are bits [b*L, b*L + L) of rot.mask.
-    for (std::size_t b = 0; b < k_tile / L; ++b) {
-        const auto sub = static_cast<std::uint32_t>((rot.mask >> (b * L)) & ((1u << L) - 1u));
-        if (sub == 0) continue;
-        T* p = tile + b * L;
-        const auto keep = simd::lane_mask(sub);
-        const bool partial = sub != (1u << L) - 1u;
-        auto run = [&](auto uniform, auto part, const float* c, const float* sn) {
-            rotate_rows<decltype(uniform)::value, decltype(part)::value>(p, n_pairs, c, sn, keep, b == 0 ? pf : nullptr);
-        };
-        using yes = std::true_type;
-        using no = std::false_type;
-        if (rot.uniform) {
-            if (partial)
-                run(yes{}, yes{}, cos_tab, sin_tab);
-            else
-                run(yes{}, no{}, cos_tab, sin_tab);
-        } else {
-            const float* lc = rot.lane_cos + b * L;
-            const float* ls = rot.lane_sin + b * L;
-            if (partial)
-                run(no{}, yes{}, lc, ls);
-            else
-                run(no{}, no{}, lc, ls);
-        }
+    xsimd::batch_bool<float> keep[kshift_batches];
+    for (std::size_t b = 0; b < kshift_batches; ++b)
+        keep[b] = simd::lane_mask(static_cast<std::uint32_t>((rot.mask >> (b * L)) & sub_all));
+    const bool partial = rot.mask != k_tile_full;
+    using yes = std::true_type;
+    using no = std::false_type;
+    auto run = [&](auto uniform, auto part, const float* c, const float* sn) {
+        rotate_rows<decltype(uniform)::value, decltype(part)::value>(tile, n_pairs, c, sn, keep, pf);
+    };
+    if (rot.uniform) {
+        if (partial)
+            run(yes{}, yes{}, cos_tab, sin_tab);
+        else
+            run(yes{}, no{}, cos_tab, sin_tab);
+    } else {
+        if (partial)
+            run(no{}, yes{}, rot.lane_cos, rot.lane_sin);
+        else
+            run(no{}, no{}, rot.lane_cos, rot.lane_sin);
     }
 }
 

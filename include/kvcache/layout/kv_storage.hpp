@@ -4,10 +4,15 @@
 // - Head-major: every KV head of a layer owns one contiguous run of cells, so
 //   attention streams one head's K and V rows sequentially, and all query heads
 //   of a GQA group read them once.
-// - K is tiled: cells are grouped in tiles of k_tile = 16 and, inside a tile, K is
-//   stored one dimension per row ([row][16 cells]). q.K for 16 cells is then 16-lane FMAs
-//   of a broadcast q[d] with one contiguous row: no horizontal reduction per cell.
-//   The K-shift applies the same 2x2 rotation to 16 cells at once.
+// - K is tiled: cells are grouped in tiles of k_tile = 32 and, inside a tile, K is
+//   stored one dimension per row ([row][32 cells]). q.K for 32 cells is then FMAs of a
+//   broadcast q[d] with one contiguous row (two 16-lane vectors): no horizontal
+//   reduction per cell. The K-shift applies the same 2x2 rotation to 32 cells at once.
+//   Why 32 and not 16 (one vector): a broadcast query element then feeds two FMAs
+//   instead of one, and the score loop was limited by the broadcasts, not by the FMAs
+//   (Zen 5: 0.71-0.78 cycles per FMA with one, ~0.53 with two or more); an f16 row is
+//   then exactly one 64-byte line. L2-resident decode ran 22% faster and 512 x 512
+//   prefill 6-8% (bench/README.md, "K tiles of 32 cells").
 // - K rows are stored in RoPE pair order: the two dimensions a rotation mixes are
 //   adjacent rows. For normal RoPE (pairs (2i, 2i+1)) that is dimension order; for
 //   NeoX (pairs (i, i + n_rot/2)) dimension i is row 2i and dimension i + n_rot/2 is
@@ -21,7 +26,7 @@
 //   ([d][cell], llama.cpp's non-flash layout), chosen by the layout policy.
 //
 // Element offsets (cp = cells rounded up to a multiple of k_tile):
-//   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 16)*16*dim_k + k_row(d)*16 + c % 16
+//   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 32)*32*dim_k + k_row(d)*32 + c % 32
 //   V(l, h, c, d) = l*v_layer_stride + h*v_head_stride + c*dim_v + d          (row-major)
 //                 = l*v_layer_stride + h*v_head_stride + d*cp + c             (transposed)
 // with k_head_stride = cp*dim_k, v_head_stride = cp*dim_v.
@@ -44,8 +49,14 @@
 
 KVCACHE_BEGIN_NAMESPACE
 
-/// Cells per K tile (one 512-bit vector of f32 lanes).
-inline constexpr std::uint32_t k_tile = 16;
+/// Cells per K tile (two 512-bit vectors of f32 lanes; see "K is tiled" above).
+inline constexpr std::uint32_t k_tile = 32;
+
+/// One bit per cell of a K tile.
+using tile_mask = std::uint32_t;
+/// Every cell of a K tile.
+inline constexpr tile_mask k_tile_full = ~tile_mask{0};
+static_assert(k_tile == 8 * sizeof(tile_mask), "a tile_mask has one bit per cell of a K tile");
 
 /// How V rows are stored (F9).
 enum class v_layout : std::uint8_t {
@@ -73,7 +84,7 @@ struct kv_layer_view {
         if (d >= neox_rot) return d;
         return d < half ? 2 * d : 2 * (d - half) + 1;
     }
-    /// First element of K tile `tile` (cells [16*tile, 16*tile + 16)) of head h: dim_k rows of 16.
+    /// First element of K tile `tile` (cells [32*tile, 32*tile + 32)) of head h: dim_k rows of 32.
     [[nodiscard]] T* k_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
         return k + h * k_head_stride + std::size_t{tile} * k_tile * dim_k;
     }

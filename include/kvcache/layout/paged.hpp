@@ -1,7 +1,7 @@
 // kvcache: the paged layout (PagedAttention, F11).
 //
 // Cells are grouped in fixed-size blocks of BlockSize cells (a multiple of the
-// 16-cell K tile, so a block is BlockSize/16 whole K tiles of every layer and head).
+// 32-cell K tile, so a block is BlockSize/32 whole K tiles of every layer and head).
 // A sequence's cells live in the blocks of its block table; blocks are taken from
 // the pool on demand and return to it when no sequence uses them any more.
 //
@@ -13,7 +13,7 @@
 // Placement: a token of sequence set S goes into a block used by exactly S that has
 // a free cell (the block S appended to last, then any other such block), else into
 // a fresh block: the one right after its last block when free, so that sequences
-// growing side by side stay in long runs of blocks (scattered 16-cell blocks read
+// growing side by side stay in long runs of blocks (scattered small blocks read
 // several times slower from DRAM than long runs), else one inside the largest free run. Appending to a sequence whose last block is shared with another
 // sequence first copies that sequence's cells of the block into a fresh block
 // (copy-on-write at block granularity), so the other sequences keep the original
@@ -352,12 +352,12 @@ private:
 
 }  // namespace detail
 
-/// Paged layout policy (F11): BlockSize cells per block, a multiple of 16 (one K tile).
+/// Paged layout policy (F11): BlockSize cells per block, a multiple of k_tile = 32 (one K tile).
 /// The cache capacity (model_shape::n_cells) must be a multiple of BlockSize.
-template <std::uint32_t BlockSize = 16, v_layout VLayout = v_layout::row_major>
+template <std::uint32_t BlockSize = 32, v_layout VLayout = v_layout::row_major>
 struct paged {
     static_assert(BlockSize > 0 && BlockSize % k_tile == 0,
-                  "kvcache::paged<BlockSize>: BlockSize must be a positive multiple of 16 (the K tile)");
+                  "kvcache::paged<BlockSize>: BlockSize must be a positive multiple of 32 (the K tile)");
     using policy_kind = layout_tag;
     static constexpr std::string_view name =
         VLayout == v_layout::row_major ? std::string_view("paged") : std::string_view("paged_vt");

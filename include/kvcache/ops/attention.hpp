@@ -183,7 +183,7 @@ inline kernels::tile_meta summarise_tile(const cell_table& cells, std::uint32_t 
             tm.pmax = std::max(tm.pmax, pos[c]);
             same = same && seqs[c] == *first;
         }
-        tm.occ = static_cast<std::uint16_t>(tm.occ | (1u << (c - c0)));
+        tm.occ |= tile_mask{1} << (c - c0);
     }
     if (tm.occ != 0) {
         tm.sid = -2;
@@ -402,7 +402,7 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     const std::size_t base_items = std::size_t{hkv} * (per_head / M);
     const std::size_t target = 4 * static_cast<std::size_t>(threads);
     std::size_t n_split = base_items >= target || threads == 1 ? 1 : (target + base_items - 1) / base_items;
-    n_split = std::max<std::size_t>(1, std::min<std::size_t>(n_split, n_tiles / 16));
+    n_split = std::max<std::size_t>(1, std::min<std::size_t>(n_split, std::size_t{n_tiles} * k_tile / 256));  // >= 256 cells each
     ws.split_ranges_.clear();
     ws.split_first_.assign(1, 0);
     {

@@ -24,7 +24,7 @@ struct plan {
     std::vector<std::int32_t> deltas;           // distinct non-zero deltas, sorted
     std::vector<float> cos_tab, sin_tab;        // [delta index][pair]
     std::vector<kernels::tile_rotation> tiles;  // tiles with at least one moving cell
-    std::vector<float> lane_cos, lane_sin;      // [mixed tile][pair][16]
+    std::vector<float> lane_cos, lane_sin;      // [mixed tile][pair][k_tile]
 };
 
 template <class Cache>
@@ -67,7 +67,7 @@ plan make_plan(const Cache& cache, int n_threads) {
             if (c >= n || pos[c] < 0 || shift[c] == 0) continue;
             if (rot.mask == 0) first = shift[c];
             uniform = uniform && shift[c] == first;
-            rot.mask = static_cast<std::uint16_t>(rot.mask | (1u << j));
+            rot.mask |= tile_mask{1} << j;
         }
         if (rot.mask == 0) continue;
         rot.uniform = uniform;

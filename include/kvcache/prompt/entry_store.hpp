@@ -136,7 +136,7 @@ private:
     static constexpr std::size_t parallel_min = std::size_t{1} << 18;
 
     /// Copies one layer between the cache (cells, in save order) and buf (Save: cache -> buf).
-    /// Runs of consecutive cells are copied as contiguous segments (K: up to a 16-cell tile).
+    /// Runs of consecutive cells are copied as contiguous segments (K: up to one K tile).
     template <bool Save, class View, class Buf>
     static void transfer(const View& v, const std::vector<std::uint32_t>& cells, Buf* buf) {
         static_assert(std::is_same_v<std::remove_const_t<Buf>, storage_type> && Save == !std::is_const_v<Buf>);
