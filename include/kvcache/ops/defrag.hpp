@@ -13,7 +13,7 @@
 // order and are refused at compile time.
 #pragma once
 
-#include <algorithm>  // std::reverse
+#include <algorithm>  // std::reverse, std::min
 #include <cmath>    // std::isfinite
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
@@ -116,8 +116,12 @@ defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
                         i += k_tile;
                         continue;
                     }
-                    for (std::uint32_t d = 0; d < v.dim_k; ++d) v.k[v.k_offset(h, dst, d)] = v.k[v.k_offset(h, src, d)];
-                    ++i;
+                    // Otherwise row pieces: the longest stretch that stays inside both tiles
+                    // (source and destination cells are distinct, so the pieces never overlap).
+                    const std::uint32_t seg = std::min({r.len - i, k_tile - src % k_tile, k_tile - dst % k_tile});
+                    for (std::uint32_t d = 0; d < v.dim_k; ++d)
+                        std::memcpy(v.k + v.k_offset(h, dst, d), v.k + v.k_offset(h, src, d), sizeof(T) * seg);
+                    i += seg;
                 }
                 if (v.vl == v_layout::row_major) {
                     std::memcpy(v.v + v.v_offset(h, r.dst, 0), v.v + v.v_offset(h, r.src, 0),
