@@ -209,14 +209,14 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
 // ---------------------------------------------------------------- decode's access pattern, no arithmetic
 
 // Reads the yardstick buffer the way decode reads one KV head: each thread's part is cut
-// into two halves ("K" and "V") read alternately 4 KiB at a time (one f16 K tile, then
-// the 16 V rows of the same cells). bw_frac against the plain read yardstick says how much
+// into two halves ("K" and "V") read alternately 8 KiB at a time (one f16 K tile, then
+// the 32 V rows of the same cells). bw_frac against the plain read yardstick says how much
 // of it this access pattern alone can reach on this machine, before any compute.
 void membw_kv_pattern(benchmark::State& state, int threads) {
     namespace kd = kb::detail;
     std::size_t n;
     const float* buf = kd::yardstick(n);
-    constexpr std::size_t step = 4096 / sizeof(float);
+    constexpr std::size_t step = std::size_t{kvcache::k_tile} * head_dim * 2 / sizeof(float);  // one f16 K tile
     float sink = 0.0f;
     kernel_timer timer;
     kb::paired_yardstick yard(kb::yardstick_kind::read, threads);
