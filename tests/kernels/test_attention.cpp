@@ -456,3 +456,19 @@ TEST_CASE("attention: a reused workspace follows every change of the cells") {
     check_same(cache, 2, "attention alone");
     CHECK(cache.cells().stamp() == s0);  // reading never changes the stamp
 }
+
+TEST_CASE("prefetch_mode::automatic: interleaved for decode-shaped calls over more than 1 MiB of K/V (or on Intel)") {
+    using kvcache::ops::prefetch_mode;
+    using kvcache::ops::detail_attn::resolve_prefetch;
+    constexpr std::size_t mib = std::size_t{1} << 20;
+    for (auto m : {prefetch_mode::none, prefetch_mode::burst, prefetch_mode::interleaved}) {
+        CHECK(resolve_prefetch(m, 4, 64 * mib) == m);  // explicit choices pass through
+        CHECK(resolve_prefetch(m, 16, 1024) == m);
+    }
+    const bool intel = kvcache::cpu_is_intel();
+    CHECK(resolve_prefetch(prefetch_mode::automatic, 4, 64 * mib) == prefetch_mode::interleaved);
+    CHECK(resolve_prefetch(prefetch_mode::automatic, 8, mib + 1) == prefetch_mode::interleaved);
+    const prefetch_mode other = intel ? prefetch_mode::interleaved : prefetch_mode::none;
+    CHECK(resolve_prefetch(prefetch_mode::automatic, 4, mib) == other);        // fits in one core's L2
+    CHECK(resolve_prefetch(prefetch_mode::automatic, 16, 64 * mib) == other);  // prefill: compute-bound
+}

@@ -22,14 +22,15 @@ KVCACHE_BEGIN_NAMESPACE
 namespace ops {
 
 /// How the attention kernel asks for K/V ahead of use (cold caches, long contexts).
-/// Which is fastest depends on the core (bench/README.md): measured with kvcache_bench,
+/// Which is fastest depends on the core and on the machine's load (bench/README.md):
 /// `interleaved` was best on an Intel Xeon (0.91 of read bandwidth on one thread against
-/// 0.62 for `burst`), `none` on an AMD Zen 5 while memory latency is low (its hardware
-/// prefetcher keeps up; `burst` cost it 37%, `interleaved` 0-7%), but in hours when the
-/// shared VM's memory latency was high `interleaved` ran 1.3-1.5x faster there: on a
-/// busy shared host, try `interleaved`.
+/// 0.62 for `burst`); on an AMD Zen 5 VM `none` won by 4-21% on one thread in quiet hours
+/// (16-cell tiles; `burst` cost 37%), but whenever the shared host's memory latency was
+/// high `interleaved` ran 1.06-1.56x faster on 1 and 2 threads, and its cost when K/V sit
+/// in cache is ~12% of a compute-bound call. `automatic` therefore uses it where K/V come
+/// from memory: decode-shaped calls over more than 1 MiB of K/V.
 enum class prefetch_mode : std::uint8_t {
-    automatic = 0,    ///< interleaved on Intel CPUs, none elsewhere
+    automatic = 0,    ///< interleaved on Intel CPUs and for decode-shaped calls over > 1 MiB of K/V, else none
     burst = 1,        ///< each visited tile asks for all of the tile 4 ahead at once
     interleaved = 2,  ///< one line of that tile per step of the score loop
     none = 3,         ///< no software prefetch (the hardware prefetchers only)
@@ -47,10 +48,15 @@ struct attention_params {
 };
 
 namespace detail_attn {
-/// prefetch_mode::automatic resolved for this CPU (checked once).
-inline prefetch_mode resolve_prefetch(prefetch_mode m) noexcept {
+/// prefetch_mode::automatic resolved for one call: `interleaved` on Intel CPUs; elsewhere
+/// `interleaved` when the call is decode-shaped (at most 8 query slots share each K/V
+/// read, so it streams K/V rather than computing on it) and reads more than 1 MiB of K/V
+/// (more than one core's L2: with every layer of a model, far more than the L3), `none`
+/// otherwise (prefill is compute-bound; small K/V stays in cache).
+inline prefetch_mode resolve_prefetch(prefetch_mode m, std::size_t slots_per_item, std::size_t kv_bytes) noexcept {
     if (m != prefetch_mode::automatic) return m;
-    return cpu_is_intel() ? prefetch_mode::interleaved : prefetch_mode::none;
+    if (cpu_is_intel()) return prefetch_mode::interleaved;
+    return slots_per_item <= 8 && kv_bytes > (std::size_t{1} << 20) ? prefetch_mode::interleaved : prefetch_mode::none;
 }
 }  // namespace detail_attn
 
@@ -332,11 +338,6 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     sh.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(dk));
     sh.softcap = p.softcap;
     sh.window = p.window;
-    {
-        const prefetch_mode pm = detail_attn::resolve_prefetch(p.prefetch);
-        sh.burst_prefetch = pm == prefetch_mode::burst;
-        sh.interleaved_prefetch = pm == prefetch_mode::interleaved;
-    }
 
     const std::uint32_t n = cache.n_window();
     const std::uint32_t n_tiles = (n + k_tile - 1) / k_tile;
@@ -361,6 +362,12 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     const std::size_t want = std::size_t{n_q} * group;
     const std::size_t M = want >= 16 ? 16 : want >= 8 ? 8 : want >= 4 ? 4 : want >= 2 ? 2 : 1;
     const std::size_t per_head = (want + M - 1) / M * M;
+    {
+        const std::size_t kv_bytes = std::size_t{n} * hkv * (dk + dv) * sizeof(T);
+        const prefetch_mode pm = detail_attn::resolve_prefetch(p.prefetch, M, kv_bytes);
+        sh.burst_prefetch = pm == prefetch_mode::burst;
+        sh.interleaved_prefetch = pm == prefetch_mode::interleaved;
+    }
     ws.slots_.assign(per_head * hkv, kernels::attn_slot{});
     std::vector<float*>& out_rows = ws.out_rows_;
     out_rows.assign(per_head * hkv, nullptr);
