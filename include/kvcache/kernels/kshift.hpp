@@ -84,12 +84,10 @@ template <class T>
 inline void rotate_tile(T* tile, std::uint32_t n_rot, const tile_rotation& rot, const float* cos_tab,
                         const float* sin_tab, const char* pf = nullptr) noexcept {
     constexpr std::size_t L = simd::lanes;
-    constexpr tile_mask sub_all = L >= 32 ? ~tile_mask{0} : (tile_mask{1} << L) - 1;
     const std::uint32_t n_pairs = n_rot / 2;
-    // Lanes of sub-batch b are bits [b*L, b*L + L) of rot.mask.
+    // Lanes of sub-batch b are bits [b*L, b*L + L) of rot.mask (lane_mask reads the low L bits).
     xsimd::batch_bool<float> keep[kshift_batches];
-    for (std::size_t b = 0; b < kshift_batches; ++b)
-        keep[b] = simd::lane_mask(static_cast<std::uint32_t>((rot.mask >> (b * L)) & sub_all));
+    for (std::size_t b = 0; b < kshift_batches; ++b) keep[b] = simd::lane_mask(rot.mask >> (b * L));
     const bool partial = rot.mask != k_tile_full;
     using yes = std::true_type;
     using no = std::false_type;
