@@ -472,3 +472,29 @@ TEST_CASE("prefetch_mode::automatic: interleaved for decode-shaped calls over mo
     CHECK(resolve_prefetch(prefetch_mode::automatic, 4, mib) == other);        // fits in one core's L2
     CHECK(resolve_prefetch(prefetch_mode::automatic, 16, 64 * mib) == other);  // prefill: compute-bound
 }
+
+TEST_CASE("tile_ahead: the prefetch target walks the tile ranges in visiting order, across ranges") {
+    using kvcache::kernels::tile_ahead;
+    using kvcache::kernels::tile_range;
+    std::mt19937 rng(11);
+    for (int round = 0; round < 300; ++round) {
+        // Random ranges (some empty, some adjacent, some one tile long: a paged block table).
+        std::vector<tile_range> ranges(1 + rng() % 6);
+        std::uint32_t at = rng() % 4;
+        for (auto& r : ranges) {
+            at += rng() % 3;
+            r = {at, at + static_cast<std::uint32_t>(rng() % 4)};
+            at = r.t1;
+        }
+        std::vector<std::pair<std::size_t, std::uint32_t>> order;  // (range, tile) as the kernel visits them
+        for (std::size_t i = 0; i < ranges.size(); ++i)
+            for (std::uint32_t t = ranges[i].t0; t < ranges[i].t1; ++t) order.emplace_back(i, t);
+        for (std::size_t k = 0; k < order.size(); ++k)
+            for (std::uint32_t ahead = 0; ahead < 6; ++ahead) {
+                const std::uint32_t want = k + ahead < order.size() ? order[k + ahead].second : order[k].second;
+                CHECK(tile_ahead(ranges.data(), ranges.size(), order[k].first, order[k].second, ahead) == want);
+            }
+    }
+    const tile_range one{5, 9};
+    CHECK(tile_ahead(&one, 1, 0, 5) == 5 + kvcache::kernels::prefetch_tiles);  // the default distance
+}

@@ -86,10 +86,29 @@ inline tile_mask visible_mask(const attn_meta& m, std::uint32_t t, const attn_sl
 }
 
 /// Tiles ahead whose K and V the kernel asks for (into L2) while it works on the current
-/// one: 128 cells (32 KiB of f16 K and V per head for D = 128). With 16-cell tiles the
-/// distance was 64 cells; with 32-cell tiles 64 cells left one thread 3% slower than
-/// before and 128 cells matched it (Zen 5, cold 16K decode, interleaved prefetch).
-inline constexpr std::uint32_t prefetch_tiles = 4;
+/// one: the next tile (32 cells, 16 KiB of f16 K and V per head for D = 128). Measured on
+/// Zen 5 (cold 16K decode, same-process A/Bs, 2026-11-24): one tile ahead beat four (the
+/// distance before) in 8 of 8 one-thread runs (1.02-1.10x) and in 5 of 7 on two threads
+/// (0.97-1.10x). Lines further ahead are the hardware prefetchers' job; our guess (no
+/// counters in that VM) is that requests far ahead of them hold the core's miss buffers
+/// for a whole DRAM round trip.
+inline constexpr std::uint32_t prefetch_tiles = 1;
+
+/// The tile `ahead` steps after tile t of ranges[r] in visiting order, crossing into the
+/// following ranges (a paged layout's scattered blocks are ranges of one block each);
+/// t itself when the ranges end sooner.
+inline std::uint32_t tile_ahead(const tile_range* ranges, std::size_t n_ranges, std::size_t r, std::uint32_t t,
+                                std::uint32_t ahead = prefetch_tiles) noexcept {
+    std::uint32_t left = ahead;
+    if (left == 0) return t;
+    for (std::size_t i = r; i < n_ranges; ++i) {
+        const std::uint32_t from = i == r ? t + 1 : ranges[i].t0;  // first tile after t in range i
+        const std::uint32_t avail = ranges[i].t1 > from ? ranges[i].t1 - from : 0;
+        if (left <= avail) return from + left - 1;
+        left -= avail;
+    }
+    return t;
+}
 
 /// How far (in logits) the running max may lag behind the true max before the kernel
 /// rescales: exp(8) ~ 3e3, far from f32 overflow even summed over 2^30 cells.
@@ -193,21 +212,21 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     any |= mask[s];
                 }
                 if (any != 0) {
-                    if (sh.burst_prefetch && t + prefetch_tiles < ranges[r].t1) {
+                    pf_t = tile_ahead(ranges, n_ranges, r, t);
+                    if (sh.burst_prefetch && pf_t != t) {
                         // Burst: all of the K tile and V rows prefetch_tiles ahead, now. Written
                         // out here on purpose: in a helper function of their own, GCC deems the
                         // prefetches side-effect free and deletes the call.
-                        const char* pk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, t + prefetch_tiles));
+                        const char* pk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
                         const std::size_t k_bytes = std::size_t{k_tile} * kv.dim_k * sizeof(T);
                         for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2);
                         if (!vt) {
                             const char* pv = reinterpret_cast<const char*>(
-                                kv.v + h * kv.v_head_stride + std::size_t{t + prefetch_tiles} * k_tile * kv.dim_v);
+                                kv.v + h * kv.v_head_stride + std::size_t{pf_t} * k_tile * kv.dim_v);
                             const std::size_t v_bytes = std::size_t{k_tile} * kv.dim_v * sizeof(T);
                             for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(pv + off, 0, 2);
                         }
                     }
-                    pf_t = t + prefetch_tiles < ranges[r].t1 ? t + prefetch_tiles : t;
                     return true;
                 }
             }

@@ -31,8 +31,8 @@ namespace ops {
 /// from memory: decode-shaped calls over more than 1 MiB of K/V.
 enum class prefetch_mode : std::uint8_t {
     automatic = 0,    ///< interleaved on Intel CPUs and for decode-shaped calls over > 1 MiB of K/V, else none
-    burst = 1,        ///< each visited tile asks for all of the tile 4 ahead at once
-    interleaved = 2,  ///< one line of that tile per step of the score loop
+    burst = 1,        ///< each visited tile asks for all of the next tile at once
+    interleaved = 2,  ///< one line of the next tile per step of the score loop
     none = 3,         ///< no software prefetch (the hardware prefetchers only)
 };
 
