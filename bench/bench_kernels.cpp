@@ -5,6 +5,8 @@
 // (split-K), attn_decode_prefetch/<none|burst|interleaved>/<type>/n_kv:16384/threads:<t>,
 // attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
 // membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
+// membw_kv_compute/<blocked|together>/threads:<t> (the two streams with decode's FMAs per
+// byte, read one after the other or together),
 // and *_scalar/... for the scalar reference. Shape: head_dim 128, 32 query heads, 8 KV heads.
 // Counters: bytes_per_second (decode, K-shift) or FLOP/s (prefill: unmasked query-key pairs
 // x heads x 4 x head_dim), bw_frac (achieved / measured read bandwidth for attention,
@@ -212,7 +214,29 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
 // into two halves ("K" and "V") read alternately 8 KiB at a time (one f16 K tile, then
 // the 32 V rows of the same cells). bw_frac against the plain read yardstick says how much
 // of it this access pattern alone can reach on this machine, before any compute.
-void membw_kv_pattern(benchmark::State& state, int threads) {
+// Counters of the two-stream reads below: each thread reads its chunk of the yardstick
+// buffer as two halves, `step` floats at a time.
+void report_two_streams(benchmark::State& state, std::size_t n, std::size_t step, int threads, double seconds,
+                        double yard_bw) {
+    namespace kd = kb::detail;
+    const std::size_t parts = static_cast<std::size_t>(kb::resolve_threads(threads));
+    double bytes = 0.0;
+    for (std::size_t k = 0; k < parts; ++k) {
+        std::size_t b, e;
+        kd::chunk(n, static_cast<int>(parts), static_cast<int>(k), b, e);
+        bytes += 2.0 * static_cast<double>((e - b) / 2 / step * step * sizeof(float));
+    }
+    const double iters = static_cast<double>(state.iterations());
+    state.counters["threads"] = threads;
+    state.SetBytesProcessed(static_cast<std::int64_t>(bytes * iters));
+    state.counters["bw_frac"] = bytes * iters / (seconds > 0.0 ? seconds : 1e-30) / yard_bw;
+    state.counters["yard_GBps"] = yard_bw * 1e-9;
+}
+
+// Reads each thread's chunk of the read yardstick's buffer as two streams (its halves),
+// body(x, y, half, step) per thread, against a paired read yardstick.
+template <class Body>
+void two_stream_read(benchmark::State& state, int threads, Body body) {
     namespace kd = kb::detail;
     std::size_t n;
     const float* buf = kd::yardstick(n);
@@ -229,28 +253,66 @@ void membw_kv_pattern(benchmark::State& state, int threads) {
                 std::size_t b, e;
                 kd::chunk(n, kb::resolve_threads(threads), kd::thread_id(), b, e);
                 const std::size_t half = (e - b) / 2 / step * step;
-                for (std::size_t o = 0; o < half; o += step) {
-                    total += kd::read_range(buf, b + o, b + o + step);
-                    total += kd::read_range(buf, b + half + o, b + half + o + step);
-                }
+                total += body(buf + b, buf + b + half, half, step);
             }
             sink += total;
         });
     }
     benchmark::DoNotOptimize(sink);
-    const std::size_t parts = static_cast<std::size_t>(kb::resolve_threads(threads));
-    double bytes = 0.0;
-    for (std::size_t k = 0; k < parts; ++k) {
-        std::size_t b, e;
-        kd::chunk(n, static_cast<int>(parts), static_cast<int>(k), b, e);
-        bytes += 2.0 * static_cast<double>((e - b) / 2 / step * step * sizeof(float));
+    report_two_streams(state, n, step, threads, timer.total, yard.rate());
+}
+
+void membw_kv_pattern(benchmark::State& state, int threads) {
+    two_stream_read(state, threads, [](const float* x, const float* y, std::size_t half, std::size_t step) {
+        float total = 0.0f;
+        for (std::size_t o = 0; o < half; o += step) {
+            total += kb::detail::read_range(x, o, o + step);
+            total += kb::detail::read_range(y, o, o + step);
+        }
+        return total;
+    });
+}
+
+// Decode's two streams with decode's arithmetic per byte (8 FMAs of 16 lanes per 64-byte
+// line, as f16 K rows and V pieces get with 4 query heads), in two orders: `blocked`
+// (8 KiB of one stream, then 8 KiB of the other: what a kernel that scores a tile and
+// then accumulates its V reads) and `together` (one line of each in turn: the fused
+// decode kernel). No kernel; shows what the order alone costs once there is compute.
+struct fma8 {
+    kb::detail::batch acc[8];
+    fma8() {
+        for (auto& a : acc) a = kb::detail::batch(0.0f);
     }
-    const double iters = static_cast<double>(state.iterations());
-    state.counters["threads"] = threads;
-    state.SetBytesProcessed(static_cast<std::int64_t>(bytes * iters));
-    const double yard_bw = yard.rate();
-    state.counters["bw_frac"] = bytes * iters / (timer.total > 0.0 ? timer.total : 1e-30) / yard_bw;
-    state.counters["yard_GBps"] = yard_bw * 1e-9;
+    void line(const float* p) {  // one 64-byte line
+        for (std::size_t l = 0; l < 16; l += kb::detail::batch::size) {
+            const kb::detail::batch x = kb::detail::batch::load_aligned(p + l);
+            for (std::size_t i = 0; i < 8; ++i) acc[i] = xsimd::fma(x, kb::detail::batch(1.0f + 0.125f * static_cast<float>(i)), acc[i]);
+        }
+    }
+    float sum() const {
+        kb::detail::batch t(0.0f);
+        for (const auto& a : acc) t += a;
+        return xsimd::hadd(t);
+    }
+};
+
+void membw_kv_compute(benchmark::State& state, bool together, int threads) {
+    two_stream_read(state, threads, [together](const float* x, const float* y, std::size_t half, std::size_t step) {
+        constexpr std::size_t line = 64 / sizeof(float);
+        fma8 f;
+        for (std::size_t o = 0; o < half; o += step) {
+            if (together) {
+                for (std::size_t i = o; i < o + step; i += line) {
+                    f.line(x + i);
+                    f.line(y + i);
+                }
+            } else {
+                for (std::size_t i = o; i < o + step; i += line) f.line(x + i);
+                for (std::size_t i = o; i < o + step; i += line) f.line(y + i);
+            }
+        }
+        return f.sum();
+    });
 }
 
 // ---------------------------------------------------------------- attention prefill
@@ -367,6 +429,14 @@ const bool registered = [] {
         benchmark::RegisterBenchmark(("membw_kv_pattern/threads:" + std::to_string(th)).c_str(),
                                      [th](benchmark::State& st) { membw_kv_pattern(st, th); })
             ->UseRealTime()->Unit(benchmark::kMillisecond);
+    for (int th : {1, 2, 4, 8, 16})
+        for (bool together : {false, true})
+            benchmark::RegisterBenchmark(
+                ("membw_kv_compute/" + std::string(together ? "together" : "blocked") + "/threads:" + std::to_string(th))
+                    .c_str(),
+                [th, together](benchmark::State& st) { membw_kv_compute(st, together, th); })
+                ->UseRealTime()
+                ->Unit(benchmark::kMillisecond);
     register_type<kvcache::f16>();
     register_type<kvcache::f32>();
     register_type<kvcache::bf16>();

@@ -234,14 +234,6 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
     auto hashed = [&](std::size_t f, std::size_t n) {
         if constexpr (Save) XXH3_64bits_update(hash, fmt + f, n);
     };
-    // A run of n bytes: format offset f <-> storage s, hashed chunk by chunk.
-    auto move_run = [&](std::size_t f, T* s, std::size_t n) {
-        for (std::size_t o = 0; o < n; o += chunk) {
-            const std::size_t m = std::min(chunk, n - o);
-            move(f + o, s + o / es, m);
-            hashed(f + o, m);
-        }
-    };
     constexpr std::uint32_t w = state_k_lanes;
     const std::size_t tile_bytes = std::size_t{w} * v.dim_k * es;  // one format K tile
     const std::size_t row_bytes = std::size_t{v.dim_v} * es;
@@ -276,7 +268,22 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
     }
     for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_cells} * row_bytes) {
         if (v.vl == v_layout::row_major) {
-            for (const auto& r : p.v_runs) move_run(at + r.from * row_bytes, v.v + v.v_offset(h, r.to, 0), r.len * row_bytes);
+            // The format's V rows are whole; the storage keeps each row as pieces of v_block
+            // dimensions (layout/kv_storage.hpp): one move per cell and block, hashed per run.
+            for (const auto& r : p.v_runs) {
+                for (std::uint32_t i = 0; i < r.len; ++i) {
+                    const std::size_t f = at + (std::size_t{r.from} + i) * row_bytes;
+                    for (std::uint32_t d0 = 0; d0 < v.dim_v; d0 += v_block) {
+                        T* piece = v.v + v.v_offset(h, r.to + i, d0);
+                        if (v.dim_v - d0 >= v_block)
+                            move(f + d0 * es, piece, v_block * es);  // constant size: inlined
+                        else
+                            move(f + d0 * es, piece, (v.dim_v - d0) * es);
+                    }
+                }
+                const std::size_t f0 = at + std::size_t{r.from} * row_bytes, n = std::size_t{r.len} * row_bytes;
+                for (std::size_t o = 0; o < n; o += chunk) hashed(f0 + o, std::min(chunk, n - o));
+            }
             continue;
         }
         for (std::uint32_t i = 0; i < p.n_cells; ++i) {

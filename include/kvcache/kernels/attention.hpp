@@ -19,6 +19,10 @@
 // kernel does 4 FMAs per loaded vector, with M = 16 (prefill) 16, and the accumulators
 // stay in registers. Online softmax keeps (max, sum) per slot; rescaling of the output
 // accumulator happens only when a slot's max grows.
+// With up to 4 slots (decode) and 16-lane vectors, the loop is software-pipelined: the
+// V update of one tile and the scores of the next visible tile run in one loop, a K row
+// and a 64-byte V piece per step, so K and V stream from memory together instead of
+// one after the other (1.16-1.23x on cold decode, Zen 5; bench/README.md).
 #pragma once
 
 #include <xsimd/xsimd.hpp>
@@ -130,6 +134,7 @@ struct attn_shape {
     std::int32_t window = 0;
     bool burst_prefetch = false;        ///< see ops::prefetch_mode
     bool interleaved_prefetch = false;  ///< see ops::prefetch_mode
+    bool fuse = true;                   ///< read K and V together where possible (false: benchmarks only)
 };
 
 /// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
@@ -221,8 +226,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                         const std::size_t k_bytes = std::size_t{k_tile} * kv.dim_k * sizeof(T);
                         for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2);
                         if (!vt) {
-                            const char* pv = reinterpret_cast<const char*>(
-                                kv.v + h * kv.v_head_stride + std::size_t{pf_t} * k_tile * kv.dim_v);
+                            const char* pv = reinterpret_cast<const char*>(kv.v_tile_ptr(h, pf_t));
                             const std::size_t v_bytes = std::size_t{k_tile} * kv.dim_v * sizeof(T);
                             for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(pv + off, 0, 2);
                         }
@@ -240,7 +244,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
         // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
         // line of each per step of the loop below (same byte offset in both).
         const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
-        const char* pfv = reinterpret_cast<const char*>(kv.v + h * kv.v_head_stride + std::size_t{pf_t} * k_tile * kv.dim_v);
+        const char* pfv = reinterpret_cast<const char*>(kv.v_tile_ptr(h, pf_t));
         const bool pf_k = sh.interleaved_prefetch, pf_v = pf_k && !vt;
         fbatch part[KC][M][B];
         for (std::size_t c = 0; c < KC; ++c)
@@ -281,14 +285,8 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             }
     };
 
-    tile_mask mask[M], any = 0;
-    while (next_tile(mask, any)) {
-        const std::uint32_t tile = t++;
-        fbatch sc[M][B];
-        score_tile(tile, sc);
-
-        // ---- online softmax per slot; p_buf[s][j] = exp(logit - m) (0 where masked)
-        float alpha[M];
+    // ---- online softmax of one tile's scores; p_buf[s][j] = exp(logit - m) (0 where masked)
+    auto softmax_tile = [&](const tile_mask* mask, fbatch (&sc)[M][B], float* alpha) -> bool {
         bool rescale = false;
         for (std::size_t s = 0; s < M; ++s) {
             alpha[s] = 1.0f;
@@ -332,13 +330,12 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 lsum[s][b] = xsimd::fma(lsum[s][b], fbatch(alpha[s]), pb);
             }
         }
+        return rescale;
+    };
 
-        // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j]
-        const T* vsrc = nullptr;
-        std::size_t vstride = dv;
-        if (!vt) {
-            vsrc = kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile * dv;
-        } else {
+    // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j] over the cells in `any`
+    auto accumulate_tile = [&](std::uint32_t tile, tile_mask any, const float* alpha, bool rescale) {
+        if (vt) {
             // Transposed V: gather the visible cells' rows into row-major scratch.
             for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                 const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
@@ -346,7 +343,10 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                                 vt_buf + std::size_t{j} * dv, dv);
             }
         }
-        auto accumulate = [&](auto* src) {
+        const T* vtile = vt ? nullptr : kv.v_tile_ptr(h, tile);
+        // Element (cell j, dimension d) of the tile: V blocks (layout/kv_storage.hpp) or the scratch rows.
+        auto vat = [&](std::uint32_t j, std::uint32_t d) -> std::size_t { return kv.v_in_tile(j, d); };
+        auto accumulate = [&](auto* src, auto&& at) {
             std::uint32_t d = 0;
             for (; d + VB * L <= dv; d += VB * L) {
                 for (std::size_t g = 0; g < M; g += MG) {  // slot groups: MG x VB accumulators
@@ -356,21 +356,9 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                             a[s][v] = fbatch::load_unaligned(st.acc + (g + s) * dv + d + v * L);
                             if (rescale) a[s][v] *= fbatch(alpha[g + s]);
                         }
-                    // V rows are read in dv / (VB * L) passes over the tile's cells (two for
-                    // f16 heads of 128 on AVX-512): the first slot group asks for the lines
-                    // of the row's next d-block, so a later pass never waits for them. The
-                    // hardware prefetchers do not cover that strided pattern: without this,
-                    // cold decode on Zen 5 ran 16-26% slower (bench/README.md). Into L1
-                    // (locality 3): the same request into L2 made it ~60% slower. A block
-                    // that ends past the row's end asks for the next row's first lines.
-                    const bool pf_next = !vt && g == 0 && d + VB * L < dv;
                     auto cell = [&](std::uint32_t j) {
                         fbatch vr[VB];
-                        if (pf_next) {
-                            const char* nx = reinterpret_cast<const char*>(src + j * vstride + d + VB * L);
-                            for (std::size_t o = 0; o < VB * L * sizeof(*src); o += 64) __builtin_prefetch(nx + o, 0, 3);
-                        }
-                        for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + j * vstride + d + v * L);
+                        for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + at(j, d + v * L));
                         for (std::size_t s = 0; s < MG; ++s) {
                             const fbatch pj(p_buf[(g + s) * k_tile + j]);
                             for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
@@ -394,7 +382,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 }
                 for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                     const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                    const fbatch vr = simd::load(src + j * vstride + d);
+                    const fbatch vr = simd::load(src + at(j, d));
                     for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * k_tile + j]), vr, a[s]);
                 }
                 for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
@@ -405,16 +393,101 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     if (rescale) a *= alpha[s];
                     for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                         const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                        a += p_buf[s * k_tile + j] * simd::to_float(src[j * vstride + d]);
+                        a += p_buf[s * k_tile + j] * simd::to_float(src[at(j, d)]);
                     }
                     st.acc[s * dv + d] = a;
                 }
             }
         };
         if (!vt)
-            accumulate(vsrc);
+            accumulate(vtile, vat);
         else
-            accumulate(static_cast<const float*>(vt_buf));
+            accumulate(static_cast<const float*>(vt_buf),
+                       [dv](std::uint32_t j, std::uint32_t d) { return std::size_t{j} * dv + d; });
+    };
+
+    // ---- fused: V of tile `vtile` (every cell visible to some slot) and the scores of
+    // tile `stile`, one K row and one 64-byte V piece (2 vectors of 16 dims of one cell)
+    // per step, so both streams are read at once. Alone, each loop reads one stream while
+    // the other waits; on Zen 5 that left one core at 0.7-0.85 of its read bandwidth, and
+    // the two streams read together at 1.0 (bench/README.md, "Reading K and V together").
+    constexpr bool can_fuse = M <= 4 && L == 16;
+    auto fused_tile = [&](std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,
+                          fbatch (&sc)[M][B]) {
+        const T* kt = kv.k_tile_ptr(h, stile);
+        const T* vb = kv.v_tile_ptr(h, vtile);
+        const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
+        const char* pfv = reinterpret_cast<const char*>(kv.v_tile_ptr(h, pf_t));
+        const bool pf = sh.interleaved_prefetch;
+        fbatch part[M][B];
+        for (std::size_t s = 0; s < M; ++s)
+            for (std::size_t b = 0; b < B; ++b) part[s][b] = fbatch(0.0f);
+        std::uint32_t d = 0;  // next K row
+        auto score_row = [&]() {
+            if (pf) __builtin_prefetch(pfk + std::size_t{d} * k_tile * sizeof(T), 0, 2);
+            fbatch krow[B];
+            for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
+            for (std::size_t s = 0; s < M; ++s) {
+                const fbatch qd(q_buf[std::size_t{d} * M + s]);
+                for (std::size_t b = 0; b < B; ++b) part[s][b] = xsimd::fma(qd, krow[b], part[s][b]);
+            }
+            ++d;
+        };
+        // Bresenham pairing of dk K rows with dv / v_block * k_tile V pieces.
+        const std::uint32_t nv = dv / v_block * k_tile;
+        std::uint32_t err = 0;
+        for (std::uint32_t blk = 0; blk < dv / v_block; ++blk) {
+            const T* vp = vb + std::size_t{blk} * v_block * k_tile;
+            const std::uint32_t d0 = blk * v_block;
+            fbatch a[M][2];
+            for (std::size_t s = 0; s < M; ++s)
+                for (std::size_t v = 0; v < 2; ++v) {
+                    a[s][v] = fbatch::load_unaligned(st.acc + s * dv + d0 + v * L);
+                    if (rescale) a[s][v] *= fbatch(alpha[s]);
+                }
+            for (std::uint32_t j = 0; j < k_tile; ++j) {
+                for (err += dk; err >= nv; err -= nv) score_row();
+                if (pf) __builtin_prefetch(pfv + (std::size_t{blk} * k_tile + j) * v_block * sizeof(T), 0, 2);
+                const fbatch v0 = simd::load(vp + std::size_t{j} * v_block), v1 = simd::load(vp + std::size_t{j} * v_block + L);
+                for (std::size_t s = 0; s < M; ++s) {
+                    const fbatch pj(p_buf[s * k_tile + j]);
+                    a[s][0] = xsimd::fma(pj, v0, a[s][0]);
+                    a[s][1] = xsimd::fma(pj, v1, a[s][1]);
+                }
+            }
+            for (std::size_t s = 0; s < M; ++s)
+                for (std::size_t v = 0; v < 2; ++v) a[s][v].store_unaligned(st.acc + s * dv + d0 + v * L);
+        }
+        while (d < dk) score_row();
+        for (std::size_t s = 0; s < M; ++s)
+            for (std::size_t b = 0; b < B; ++b) sc[s][b] = part[s][b];
+    };
+    const bool fuse = can_fuse && !vt && dv % v_block == 0 && sh.fuse;
+
+    // Software pipeline: the scores of the next visible tile are computed together with
+    // the V update of the current one.
+    tile_mask mask[M], any = 0;
+    if (next_tile(mask, any)) {
+        std::uint32_t cur = t++;
+        fbatch sc[M][B];
+        score_tile(cur, sc);
+        float alpha[M];
+        bool rescale = softmax_tile(mask, sc, alpha);
+        for (;;) {
+            tile_mask mask2[M], any2 = 0;
+            const bool more = next_tile(mask2, any2);
+            const std::uint32_t nxt = more ? t++ : 0;
+            if (more && fuse && any == k_tile_full) {
+                fused_tile(cur, alpha, rescale, nxt, sc);
+            } else {
+                accumulate_tile(cur, any, alpha, rescale);
+                if (more) score_tile(nxt, sc);
+            }
+            if (!more) break;
+            rescale = softmax_tile(mask2, sc, alpha);
+            cur = nxt;
+            any = any2;
+        }
     }
     for (std::size_t s = 0; s < M; ++s) {
         fbatch v = lsum[s][0];

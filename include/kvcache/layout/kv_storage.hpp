@@ -22,12 +22,22 @@
 //   against 1.0-1.2 for normal RoPE. Attention permutes q the same way (q.K is a sum
 //   over dimensions, so only the pairing of q[d] with K row k_row(d) matters), and
 //   state files keep dimension order (io/format.hpp).
-// - V is row-major per head ([cell][d], the "flash" layout) or transposed
-//   ([d][cell], llama.cpp's non-flash layout), chosen by the layout policy.
+// - V is row-major per head (each cell's row of dim_v values, the "flash" layout) or
+//   transposed ([d][cell], llama.cpp's non-flash layout), chosen by the layout policy.
+//   Row-major V is blocked like K: a 32-cell tile holds its rows as blocks of
+//   v_block = 32 dimensions, [block][32 cells][32] (the last block narrower when 32
+//   does not divide dim_v). Decode reads K and V of a tile together, one K row and one
+//   cell's 32-dimension piece of V per step, and with four query heads a block's 4 x 2
+//   accumulators stay in registers; in this order the tile's V is one sequential
+//   stream. Plain [cell][d] rows would be read 64 bytes per cell with 192-byte gaps, and
+//   reading K and V one after the other left a Zen 5 core at 0.7-0.85 of its read
+//   bandwidth (bench/README.md, "Reading K and V together").
 //
-// Element offsets (cp = cells rounded up to a multiple of k_tile):
+// Element offsets (cp = cells rounded up to a multiple of k_tile; b = d / 32 * 32,
+// w = min(32, dim_v - b)):
 //   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 32)*32*dim_k + k_row(d)*32 + c % 32
-//   V(l, h, c, d) = l*v_layer_stride + h*v_head_stride + c*dim_v + d          (row-major)
+//   V(l, h, c, d) = l*v_layer_stride + h*v_head_stride + (c / 32)*32*dim_v + b*32 + (c % 32)*w + d - b
+//                                                                              (row-major)
 //                 = l*v_layer_stride + h*v_head_stride + d*cp + c             (transposed)
 // with k_head_stride = cp*dim_k, v_head_stride = cp*dim_v.
 #pragma once
@@ -52,6 +62,10 @@ KVCACHE_BEGIN_NAMESPACE
 /// Cells per K tile (two 512-bit vectors of f32 lanes; see "K is tiled" above).
 inline constexpr std::uint32_t k_tile = 32;
 
+/// Dimensions per V block: row-major V stores each 32-cell tile as blocks of v_block
+/// dimensions, [block][32 cells][v_block] (see "V is row-major" above).
+inline constexpr std::uint32_t v_block = 32;
+
 /// One bit per cell of a K tile.
 using tile_mask = std::uint32_t;
 /// Every cell of a K tile.
@@ -60,7 +74,7 @@ static_assert(k_tile == 8 * sizeof(tile_mask), "a tile_mask has one bit per cell
 
 /// How V rows are stored (F9).
 enum class v_layout : std::uint8_t {
-    row_major = 0,   ///< [head][cell][d]: flash-style attention reads a whole row per cell
+    row_major = 0,   ///< a row per cell (flash-style attention), tiles of 32 cells in blocks of 32 dimensions
     transposed = 1,  ///< [head][d][cell]: llama.cpp's non-flash layout (V^T . p as a GEMV)
 };
 
@@ -92,10 +106,23 @@ struct kv_layer_view {
     [[nodiscard]] std::size_t k_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
         return h * k_head_stride + std::size_t{c / k_tile} * k_tile * dim_k + std::size_t{k_row(d)} * k_tile + c % k_tile;
     }
+    /// Row-major V: first element of tile `tile` (cells [32*tile, 32*tile + 32)) of head h.
+    [[nodiscard]] T* v_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
+        return v + h * v_head_stride + std::size_t{tile} * k_tile * dim_v;
+    }
+    /// Row-major V: offset of (cell 32*tile + j, dimension d) from v_tile_ptr: blocks of
+    /// v_block dimensions, each [32 cells][v_block] (the last block narrower when
+    /// v_block does not divide dim_v).
+    [[nodiscard]] std::size_t v_in_tile(std::uint32_t j, std::uint32_t d) const noexcept {
+        const std::uint32_t d0 = d / v_block * v_block;
+        const std::uint32_t w = dim_v - d0 < v_block ? dim_v - d0 : v_block;
+        return std::size_t{d0} * k_tile + std::size_t{j} * w + (d - d0);
+    }
     /// Offset of V element (h, cell, d) for either V layout.
     [[nodiscard]] std::size_t v_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
-        return vl == v_layout::row_major ? h * v_head_stride + std::size_t{c} * dim_v + d
-                                         : h * v_head_stride + std::size_t{d} * n_cells_pad + c;
+        return vl == v_layout::row_major
+                   ? h * v_head_stride + std::size_t{c / k_tile} * k_tile * dim_v + v_in_tile(c % k_tile, d)
+                   : h * v_head_stride + std::size_t{d} * n_cells_pad + c;
     }
 };
 
@@ -221,7 +248,9 @@ public:
         const auto v = view(layer);
         for (std::uint32_t h = 0; h < n_head_kv_; ++h) {
             if constexpr (VLayout == v_layout::row_major) {
-                Element::from_float(row + std::size_t{h} * dim_v_, v.v + v.v_offset(h, cell, 0), dim_v_);
+                for (std::uint32_t d0 = 0; d0 < dim_v_; d0 += v_block)  // one piece per V block
+                    Element::from_float(row + std::size_t{h} * dim_v_ + d0, v.v + v.v_offset(h, cell, d0),
+                                        std::min(v_block, dim_v_ - d0));
             } else {
                 Element::from_float(row + std::size_t{h} * dim_v_, scratch_.data(), dim_v_);
                 for (std::uint32_t d = 0; d < dim_v_; ++d) v.v[v.v_offset(h, cell, d)] = scratch_[d];

@@ -108,28 +108,33 @@ defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
         const auto v = storage.view(static_cast<std::uint32_t>(l));
         for (std::uint32_t h = 0; h < v.n_head_kv; ++h)
             for (const run& r : runs) {
+                const bool v_rows = v.vl == v_layout::row_major;
                 for (std::uint32_t i = 0; i < r.len;) {
                     const std::uint32_t src = r.src + i, dst = r.dst + i;
-                    if (src % k_tile == 0 && dst % k_tile == 0 && r.len - i >= k_tile) {  // a whole K tile
+                    if (src % k_tile == 0 && dst % k_tile == 0 && r.len - i >= k_tile) {  // whole tiles
                         std::memcpy(v.k + v.k_offset(h, dst, 0), v.k + v.k_offset(h, src, 0),
                                     sizeof(T) * k_tile * v.dim_k);
+                        if (v_rows)
+                            std::memcpy(v.v + v.v_offset(h, dst, 0), v.v + v.v_offset(h, src, 0),
+                                        sizeof(T) * k_tile * v.dim_v);
                         i += k_tile;
                         continue;
                     }
-                    // Otherwise row pieces: the longest stretch that stays inside both tiles
-                    // (source and destination cells are distinct, so the pieces never overlap).
+                    // Otherwise pieces: the longest stretch that stays inside both tiles
+                    // (source and destination cells are distinct, so the pieces never
+                    // overlap): one per K row, and one per V block ([cells][block width]).
                     const std::uint32_t seg = std::min({r.len - i, k_tile - src % k_tile, k_tile - dst % k_tile});
                     for (std::uint32_t d = 0; d < v.dim_k; ++d)
                         std::memcpy(v.k + v.k_offset(h, dst, d), v.k + v.k_offset(h, src, d), sizeof(T) * seg);
+                    if (v_rows)
+                        for (std::uint32_t d0 = 0; d0 < v.dim_v; d0 += v_block)
+                            std::memcpy(v.v + v.v_offset(h, dst, d0), v.v + v.v_offset(h, src, d0),
+                                        sizeof(T) * seg * std::min(v_block, v.dim_v - d0));
                     i += seg;
                 }
-                if (v.vl == v_layout::row_major) {
-                    std::memcpy(v.v + v.v_offset(h, r.dst, 0), v.v + v.v_offset(h, r.src, 0),
-                                sizeof(T) * v.dim_v * r.len);
-                } else {
+                if (!v_rows)
                     for (std::uint32_t d = 0; d < v.dim_v; ++d)
                         std::memcpy(v.v + v.v_offset(h, r.dst, d), v.v + v.v_offset(h, r.src, d), sizeof(T) * r.len);
-                }
             }
     }
     // Metadata: each destination takes its source's exact state.

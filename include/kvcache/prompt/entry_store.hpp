@@ -153,19 +153,24 @@ private:
             std::size_t len = 1;  // run of consecutive cells starting at save index i0
             while (i0 + len < n && cells[i0 + len] == cells[i0] + len) ++len;
             for (std::uint32_t h = 0; h < v.n_head_kv; ++h) {
+                // Pieces that stay inside one tile: K [h][d][n]; row-major V [h][block][n][width]
+                // (the cache's V blocks, so each block of a piece is one copy).
                 for (std::size_t done = 0; done < len;) {
                     const auto c = static_cast<std::uint32_t>(cells[i0] + done);
                     const std::size_t seg = std::min<std::size_t>(len - done, k_tile - c % k_tile);
                     for (std::uint32_t d = 0; d < v.dim_k; ++d)
                         copy(v.k + v.k_offset(h, c, d), kbuf + (std::size_t{h} * v.dim_k + d) * n + i0 + done, seg);
+                    if (v.vl == v_layout::row_major)
+                        for (std::uint32_t d0 = 0; d0 < v.dim_v; d0 += v_block) {
+                            const std::size_t w = std::min(v_block, v.dim_v - d0);
+                            copy(v.v + v.v_offset(h, c, d0),
+                                 vbuf + std::size_t{h} * n * v.dim_v + std::size_t{d0} * n + (i0 + done) * w, seg * w);
+                        }
                     done += seg;
                 }
-                if (v.vl == v_layout::row_major) {
-                    copy(v.v + v.v_offset(h, cells[i0], 0), vbuf + (std::size_t{h} * n + i0) * v.dim_v, len * v.dim_v);
-                } else {
+                if (v.vl != v_layout::row_major)
                     for (std::uint32_t d = 0; d < v.dim_v; ++d)
                         copy(v.v + v.v_offset(h, cells[i0], d), vbuf + (std::size_t{h} * v.dim_v + d) * n + i0, len);
-                }
             }
             i0 += len;
         }
