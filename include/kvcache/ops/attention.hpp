@@ -28,7 +28,10 @@ namespace ops {
 /// (16-cell tiles; `burst` cost 37%), but whenever the shared host's memory latency was
 /// high `interleaved` ran 1.06-1.56x faster on 1 and 2 threads, and its cost when K/V sit
 /// in cache is ~12% of a compute-bound call. `automatic` therefore uses it where K/V come
-/// from memory: decode-shaped calls over more than 1 MiB of K/V.
+/// from memory: decode-shaped calls over more than 1 MiB of K/V. The fused decode loop
+/// (up to 4 query heads per KV head, 16-lane vectors, row-major V; kernels/attention.hpp)
+/// issues no software prefetch: it reads K and V together, which the hardware
+/// prefetchers follow; the mode applies to the kernel's other loops.
 enum class prefetch_mode : std::uint8_t {
     automatic = 0,    ///< interleaved on Intel CPUs and for decode-shaped calls over > 1 MiB of K/V, else none
     burst = 1,        ///< each visited tile asks for all of the next tile at once
