@@ -265,6 +265,27 @@ TEST_CASE_TEMPLATE("attention decode with split-K matches the oracle", C,
     }
 }
 
+TEST_CASE_TEMPLATE("attention decode with K and V heads of different sizes matches the oracle", C,
+                   combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
+    // The fused decode loop pairs dk K rows with dv / 32 * 32 V pieces per tile; unequal
+    // sizes take its general pairing (more K rows per V piece, or fewer).
+    const std::uint32_t dims[][2] = {{64, 128}, {128, 64}, {40, 32}, {96, 160}};
+    for (const auto& dd : dims)
+        for (std::uint32_t group : {1u, 2u, 4u}) {
+            scenario_cfg c;
+            c.n_head_kv = 2;
+            c.dk = dd[0];
+            c.dv = dd[1];
+            c.n_cells = 700;
+            c.n_seq = 1;
+            c.rounds = 120;
+            c.holes = false;
+            kvcache::ops::attention_params p;
+            p.n_threads = 1 + static_cast<int>(group % 2);
+            check_case<typename C::cache>(c, 91u + dd[0] + group, group, 1, p, 1e-10, C::tol_f32);
+        }
+}
+
 TEST_CASE("attention: a query that sees nothing gets zeros, never NaN") {
     scenario_cfg c;
     c.n_seq = 2;
