@@ -224,7 +224,6 @@ template <bool Save, class T, class B>
 void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<const std::uint32_t> map, B* fmt,
                     XXH3_state_t* hash) {
     constexpr std::size_t es = sizeof(T);
-    constexpr std::size_t chunk = std::size_t{64} << 10;
     auto move = [&](std::size_t f, T* s, std::size_t n) {  // n bytes at format offset f <-> storage s
         if constexpr (Save)
             std::memcpy(fmt + f, s, n);
@@ -268,21 +267,30 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
     }
     for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_cells} * row_bytes) {
         if (v.vl == v_layout::row_major) {
-            // The format's V rows are whole; the storage keeps each row as pieces of v_block
-            // dimensions (layout/kv_storage.hpp): one move per cell and block, hashed per run.
+            // The format's V rows are whole; the storage keeps each tile's rows as blocks of
+            // v_block dimensions (layout/kv_storage.hpp). Per stretch of a run inside one
+            // storage tile (at most 32 cells, 8 KiB for f16 heads of 128): block by block,
+            // so the storage side of each block is one contiguous run and the format side
+            // stays in L1, then the stretch is hashed while it is still there.
             for (const auto& r : p.v_runs) {
-                for (std::uint32_t i = 0; i < r.len; ++i) {
-                    const std::size_t f = at + (std::size_t{r.from} + i) * row_bytes;
+                for (std::uint32_t i = 0; i < r.len;) {
+                    const std::uint32_t c0 = r.to + i;
+                    const std::uint32_t seg = std::min(r.len - i, k_tile - c0 % k_tile);
+                    const std::size_t f0 = at + (std::size_t{r.from} + i) * row_bytes;
                     for (std::uint32_t d0 = 0; d0 < v.dim_v; d0 += v_block) {
-                        T* piece = v.v + v.v_offset(h, r.to + i, d0);
-                        if (v.dim_v - d0 >= v_block)
-                            move(f + d0 * es, piece, v_block * es);  // constant size: inlined
-                        else
-                            move(f + d0 * es, piece, (v.dim_v - d0) * es);
+                        T* piece = v.v + v.v_offset(h, c0, d0);  // cells c0.. of this block, back to back
+                        const std::uint32_t w = std::min(v_block, v.dim_v - d0);
+                        if (w == v_block) {
+                            for (std::uint32_t j = 0; j < seg; ++j)
+                                move(f0 + j * row_bytes + d0 * es, piece + std::size_t{j} * v_block, v_block * es);  // constant size: inlined
+                        } else {
+                            for (std::uint32_t j = 0; j < seg; ++j)
+                                move(f0 + j * row_bytes + d0 * es, piece + std::size_t{j} * w, w * es);
+                        }
                     }
+                    hashed(f0, std::size_t{seg} * row_bytes);
+                    i += seg;
                 }
-                const std::size_t f0 = at + std::size_t{r.from} * row_bytes, n = std::size_t{r.len} * row_bytes;
-                for (std::size_t o = 0; o < n; o += chunk) hashed(f0 + o, std::min(chunk, n - o));
             }
             continue;
         }
