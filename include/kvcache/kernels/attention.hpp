@@ -134,7 +134,6 @@ struct attn_shape {
     std::int32_t window = 0;
     bool burst_prefetch = false;        ///< see ops::prefetch_mode
     bool interleaved_prefetch = false;  ///< see ops::prefetch_mode
-    bool fuse = true;                   ///< read K and V together where possible (false: benchmarks only)
 };
 
 /// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
@@ -344,8 +343,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             }
         }
         const T* vtile = vt ? nullptr : kv.v_tile_ptr(h, tile);
-        // Element (cell j, dimension d) of the tile: V blocks (layout/kv_storage.hpp) or the scratch rows.
-        auto vat = [&](std::uint32_t j, std::uint32_t d) -> std::size_t { return kv.v_in_tile(j, d); };
+        // Element (cell j, dimension d) of the tile: at(j, d) into V blocks (layout/kv_storage.hpp) or the scratch rows.
         auto accumulate = [&](auto* src, auto&& at) {
             std::uint32_t d = 0;
             for (; d + VB * L <= dv; d += VB * L) {
@@ -400,7 +398,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             }
         };
         if (!vt)
-            accumulate(vtile, vat);
+            accumulate(vtile, [&kv](std::uint32_t j, std::uint32_t d) { return kv.v_in_tile(j, d); });
         else
             accumulate(static_cast<const float*>(vt_buf),
                        [dv](std::uint32_t j, std::uint32_t d) { return std::size_t{j} * dv + d; });
@@ -463,7 +461,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
         for (std::size_t s = 0; s < M; ++s)
             for (std::size_t b = 0; b < B; ++b) sc[s][b] = part[s][b];
     };
-    const bool fuse = can_fuse && !vt && dv % v_block == 0 && sh.fuse;
+    const bool fuse = can_fuse && !vt && dv % v_block == 0;
 
     // Software pipeline: the scores of the next visible tile are computed together with
     // the V update of the current one.
