@@ -21,6 +21,7 @@ using kvcache::seq_id_t;
 struct scenario_cfg {
     std::uint32_t n_head_kv = 2, dk = 64, dv = 0, n_cells = 200, n_seq = 3, rounds = 30;
     bool holes = true, shared = true;
+    bool query_at_end = false;  // every query row in sequence 0, one past its last position (decode)
     kvcache::rope_type rope = kvcache::rope_type::normal;  // NeoX stores K rows in pair order
     std::uint32_t n_rot = 0;                               // 0: head_dim_k
 };
@@ -158,7 +159,11 @@ void check_case(scenario_cfg c, std::uint32_t seed, std::uint32_t group, std::ui
     std::mt19937 rng(seed ^ 0x9e3779b9u);
     pos_t max_pos = 0;
     for (seq_id_t s = 0; s <= static_cast<seq_id_t>(c.n_seq); ++s) max_pos = std::max(max_pos, cache.seq_pos_max(s));
-    const auto qs = random_queries(rng, n_q, p.n_head, shape.dim_k(), c.n_seq, max_pos);
+    auto qs = random_queries(rng, n_q, p.n_head, shape.dim_k(), c.n_seq, max_pos);
+    if (c.query_at_end) {
+        std::fill(qs.seq.begin(), qs.seq.end(), seq_id_t{0});
+        std::fill(qs.pos.begin(), qs.pos.end(), cache.seq_pos_max(0) + 1);
+    }
     std::vector<float> out(std::size_t{n_q} * p.n_head * shape.dim_v(), -1.0f);
     kvcache::ops::attention_workspace ws;
     for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
@@ -268,7 +273,8 @@ TEST_CASE_TEMPLATE("attention decode with split-K matches the oracle", C,
 TEST_CASE_TEMPLATE("attention decode with K and V heads of different sizes matches the oracle", C,
                    combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
     // The fused decode loop pairs dk K rows with dv / 32 * 32 V pieces per tile; unequal
-    // sizes take its general pairing (more K rows per V piece, or fewer).
+    // sizes take its general pairing (more K rows per V piece, or fewer). The query sits
+    // at the end of the one sequence, so whole tiles are visible and the fused loop runs.
     const std::uint32_t dims[][2] = {{64, 128}, {128, 64}, {40, 32}, {96, 160}};
     for (const auto& dd : dims)
         for (std::uint32_t group : {1u, 2u, 4u}) {
@@ -280,6 +286,7 @@ TEST_CASE_TEMPLATE("attention decode with K and V heads of different sizes match
             c.n_seq = 1;
             c.rounds = 120;
             c.holes = false;
+            c.query_at_end = true;
             kvcache::ops::attention_params p;
             p.n_threads = 1 + static_cast<int>(group % 2);
             check_case<typename C::cache>(c, 91u + dd[0] + group, group, 1, p, 1e-10, C::tol_f32);
