@@ -32,6 +32,7 @@
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
 #include <limits>   // infinity
+#include <type_traits>  // std::true_type
 
 #include "../cells/seq_set.hpp"
 #include "../config.hpp"
@@ -419,44 +420,55 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
         fbatch part[M][B];
         for (std::size_t s = 0; s < M; ++s)
             for (std::size_t b = 0; b < B; ++b) part[s][b] = fbatch(0.0f);
+        // Locals, not the captured references: through them GCC reloaded q_buf and
+        // st.acc from the stack on every step.
+        const float* const qb = q_buf;
+        const float* const pb = p_buf;
+        float* const acc = st.acc;
         std::uint32_t d = 0;  // next K row
         auto score_row = [&]() {
             fbatch krow[B];
             for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
             for (std::size_t s = 0; s < M; ++s) {
-                const fbatch qd(q_buf[std::size_t{d} * M + s]);
+                const fbatch qd(qb[std::size_t{d} * M + s]);
                 for (std::size_t b = 0; b < B; ++b) part[s][b] = xsimd::fma(qd, krow[b], part[s][b]);
             }
             ++d;
         };
-        // Bresenham pairing of dk K rows with dv / v_block * k_tile V pieces.
+        // K rows paired with V pieces: one per piece when the K and V head sizes match
+        // (a loop with no branch per step), else spread evenly (Bresenham).
         const std::uint32_t nv = dv / v_block * k_tile;
-        const bool one_to_one = nv == dk;  // equal K and V head sizes: one K row per V piece
-        std::uint32_t err = 0;
-        for (std::uint32_t blk = 0; blk < dv / v_block; ++blk) {
-            const T* vp = vb + std::size_t{blk} * v_block * k_tile;
-            const std::uint32_t d0 = blk * v_block;
-            fbatch a[M][2];
-            for (std::size_t s = 0; s < M; ++s)
-                for (std::size_t v = 0; v < 2; ++v) {
-                    a[s][v] = fbatch::load_unaligned(st.acc + s * dv + d0 + v * L);
-                    if (rescale) a[s][v] *= fbatch(alpha[s]);
+        auto blocks = [&](auto one_to_one) {
+            std::uint32_t err = 0;
+            for (std::uint32_t blk = 0; blk < dv / v_block; ++blk) {
+                const T* vp = vb + std::size_t{blk} * v_block * k_tile;
+                float* ab = acc + blk * v_block;
+                fbatch a[M][2];
+                for (std::size_t s = 0; s < M; ++s)
+                    for (std::size_t v = 0; v < 2; ++v) {
+                        a[s][v] = fbatch::load_unaligned(ab + s * dv + v * L);
+                        if (rescale) a[s][v] *= fbatch(alpha[s]);
+                    }
+                for (std::uint32_t j = 0; j < k_tile; ++j) {
+                    if constexpr (decltype(one_to_one)::value)
+                        score_row();
+                    else
+                        for (err += dk; err >= nv; err -= nv) score_row();
+                    const fbatch v0 = simd::load(vp + std::size_t{j} * v_block), v1 = simd::load(vp + std::size_t{j} * v_block + L);
+                    for (std::size_t s = 0; s < M; ++s) {
+                        const fbatch pj(pb[s * k_tile + j]);
+                        a[s][0] = xsimd::fma(pj, v0, a[s][0]);
+                        a[s][1] = xsimd::fma(pj, v1, a[s][1]);
+                    }
                 }
-            for (std::uint32_t j = 0; j < k_tile; ++j) {
-                if (one_to_one)
-                    score_row();
-                else
-                    for (err += dk; err >= nv; err -= nv) score_row();
-                const fbatch v0 = simd::load(vp + std::size_t{j} * v_block), v1 = simd::load(vp + std::size_t{j} * v_block + L);
-                for (std::size_t s = 0; s < M; ++s) {
-                    const fbatch pj(p_buf[s * k_tile + j]);
-                    a[s][0] = xsimd::fma(pj, v0, a[s][0]);
-                    a[s][1] = xsimd::fma(pj, v1, a[s][1]);
-                }
+                for (std::size_t s = 0; s < M; ++s)
+                    for (std::size_t v = 0; v < 2; ++v) a[s][v].store_unaligned(ab + s * dv + v * L);
             }
-            for (std::size_t s = 0; s < M; ++s)
-                for (std::size_t v = 0; v < 2; ++v) a[s][v].store_unaligned(st.acc + s * dv + d0 + v * L);
-        }
+        };
+        if (nv == dk)
+            blocks(std::true_type{});
+        else
+            blocks(std::false_type{});
         while (d < dk) score_row();
         for (std::size_t s = 0; s < M; ++s)
             for (std::size_t b = 0; b < B; ++b) sc[s][b] = part[s][b];
