@@ -270,6 +270,24 @@ TEST_CASE_TEMPLATE("attention decode with split-K matches the oracle", C,
     }
 }
 
+TEST_CASE_TEMPLATE("attention decode split finely over long contexts matches the oracle", C,
+                   combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
+    // 4 KV heads on 2 threads: 2 parts per head by the 4-items-per-thread rule, 3 by the
+    // finer one (parts of >= 4096 of the ~12.3K cells), so the merge sees an odd count.
+    for (int threads : {2, 3}) {
+        scenario_cfg c;
+        c.n_head_kv = 4;
+        c.n_cells = 12300;
+        c.n_seq = 1;
+        c.rounds = 3000;
+        c.holes = false;
+        c.query_at_end = true;
+        kvcache::ops::attention_params p;
+        p.n_threads = threads;
+        check_case<typename C::cache>(c, 4242u + static_cast<std::uint32_t>(threads), 4, 1, p, 1e-10, C::tol_f32);
+    }
+}
+
 TEST_CASE_TEMPLATE("attention decode with K and V heads of different sizes matches the oracle", C,
                    combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
     // The fused decode loop pairs dk K rows with dv / 32 * 32 V pieces per tile; unequal
