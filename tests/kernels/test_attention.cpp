@@ -26,6 +26,19 @@ struct scenario_cfg {
     std::uint32_t n_rot = 0;                               // 0: head_dim_k
 };
 
+// One sequence placed in order (no holes, no copies), every query one past its end: a
+// plain decode whose tiles are whole, so the fused loop and split-K run.
+scenario_cfg tail_decode(std::uint32_t n_head_kv, std::uint32_t n_cells, std::uint32_t rounds) {
+    scenario_cfg c;
+    c.n_head_kv = n_head_kv;
+    c.n_cells = n_cells;
+    c.n_seq = 1;
+    c.rounds = rounds;
+    c.holes = false;
+    c.query_at_end = true;
+    return c;
+}
+
 kvcache::model_shape make_shape(const scenario_cfg& c) {
     kvcache::model_shape s;
     s.n_layer = 2;
@@ -275,13 +288,7 @@ TEST_CASE_TEMPLATE("attention decode split finely over long contexts matches the
     // 4 KV heads on 2 threads: 2 parts per head by the 4-items-per-thread rule, 3 by the
     // finer one (parts of >= 4096 of the ~12.3K cells), so the merge sees an odd count.
     for (int threads : {2, 3}) {
-        scenario_cfg c;
-        c.n_head_kv = 4;
-        c.n_cells = 12300;
-        c.n_seq = 1;
-        c.rounds = 3000;
-        c.holes = false;
-        c.query_at_end = true;
+        const scenario_cfg c = tail_decode(4, 12300, 3000);
         kvcache::ops::attention_params p;
         p.n_threads = threads;
         check_case<typename C::cache>(c, 4242u + static_cast<std::uint32_t>(threads), 4, 1, p, 1e-10, C::tol_f32);
@@ -291,20 +298,13 @@ TEST_CASE_TEMPLATE("attention decode split finely over long contexts matches the
 TEST_CASE_TEMPLATE("attention decode with K and V heads of different sizes matches the oracle", C,
                    combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
     // The fused decode loop pairs dk K rows with dv / 32 * 32 V pieces per tile; unequal
-    // sizes take its general pairing (more K rows per V piece, or fewer). The query sits
-    // at the end of the one sequence, so whole tiles are visible and the fused loop runs.
+    // sizes take its general pairing (more K rows per V piece, or fewer).
     const std::uint32_t dims[][2] = {{64, 128}, {128, 64}, {40, 32}, {96, 160}};
     for (const auto& dd : dims)
         for (std::uint32_t group : {1u, 2u, 4u}) {
-            scenario_cfg c;
-            c.n_head_kv = 2;
+            scenario_cfg c = tail_decode(2, 700, 120);
             c.dk = dd[0];
             c.dv = dd[1];
-            c.n_cells = 700;
-            c.n_seq = 1;
-            c.rounds = 120;
-            c.holes = false;
-            c.query_at_end = true;
             kvcache::ops::attention_params p;
             p.n_threads = 1 + static_cast<int>(group % 2);
             check_case<typename C::cache>(c, 91u + dd[0] + group, group, 1, p, 1e-10, C::tol_f32);
