@@ -319,9 +319,10 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
 ///
 /// Parallel work items are (KV head, group of query slots, part of the KV range): the
 /// query slots of one KV head (rows x query heads of its GQA group) are cut into groups
-/// of up to 16 that share every K/V read; when there are fewer items than about four
-/// per thread (decode of few sequences), the KV range is split too and the partial
-/// softmax states are merged at the end (split-K / flash-decoding).
+/// of up to 16 that share every K/V read; when there are fewer items than four per
+/// thread (decode of few sequences), or fewer than 16 and the context is long (parts of
+/// >= 4096 cells), the KV range is split too and the partial softmax states are merged
+/// at the end (split-K / flash-decoding).
 template <class Cache>
 void attention(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos, const seq_id_t* q_seq,
                std::uint32_t n_q, const attention_params& p, float* out, attention_workspace& ws) {
