@@ -26,8 +26,9 @@ struct scenario_cfg {
     std::uint32_t n_rot = 0;                               // 0: head_dim_k
 };
 
-// One sequence placed in order (no holes, no copies), every query one past its end: a
-// plain decode whose tiles are whole, so the fused loop and split-K run.
+// One sequence placed in order (no holes; its first 12 cells also copied to sequence 1),
+// every query one past its end: a decode whose tiles are whole, so the fused loop and
+// split-K run.
 scenario_cfg tail_decode(std::uint32_t n_head_kv, std::uint32_t n_cells, std::uint32_t rounds) {
     scenario_cfg c;
     c.n_head_kv = n_head_kv;
