@@ -239,50 +239,59 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     };
 
     // ---- scores: sc[s] = q_s . K[:, cells of the tile]
+    // In slot groups of at most SG = 8: 16 accumulators. With all 16 prefill slots at once
+    // (32 accumulators + 2 K rows + a broadcast) GCC kept three accumulators on the stack,
+    // an extra load and store per step on each; the second group re-reads the tile's K
+    // rows from L1 (2 more conversions per 32 FMAs, off the FMA pipes).
+    constexpr std::size_t SG = M > 8 ? 8 : M;
     auto score_tile = [&](std::uint32_t tile, fbatch (&sc)[M][B]) {
         const T* kt = kv.k_tile_ptr(h, tile);
         // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
         // line of each per step of the loop below (same byte offset in both).
         const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
         const char* pfv = reinterpret_cast<const char*>(kv.v_tile_ptr(h, pf_t));
-        const bool pf_k = sh.interleaved_prefetch, pf_v = pf_k && !vt;
-        fbatch part[KC][M][B];
-        for (std::size_t c = 0; c < KC; ++c)
-            for (std::size_t s = 0; s < M; ++s)
-                for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
-        std::uint32_t d = 0;
-        for (; d + KC <= dk; d += KC) {
-            if (pf_k) {
-                constexpr std::size_t step = KC * k_tile * sizeof(T);  // bytes of K rows per step
-                const std::size_t off = std::size_t{d} * k_tile * sizeof(T);
-                for (std::size_t o = 0; o < (step > 64 ? step : 64); o += 64) {
-                    __builtin_prefetch(pfk + off + o, 0, 2);
-                    if (pf_v) __builtin_prefetch(pfv + off + o, 0, 2);  // (a prefetch never faults)
+        const bool pf_v = !vt;
+        for (std::size_t g = 0; g < M; g += SG) {
+            const bool pf_k = sh.interleaved_prefetch && g == 0;
+            fbatch part[KC][SG][B];
+            for (std::size_t c = 0; c < KC; ++c)
+                for (std::size_t s = 0; s < SG; ++s)
+                    for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
+            const float* const qb = q_buf + g;
+            std::uint32_t d = 0;
+            for (; d + KC <= dk; d += KC) {
+                if (pf_k) {
+                    constexpr std::size_t step = KC * k_tile * sizeof(T);  // bytes of K rows per step
+                    const std::size_t off = std::size_t{d} * k_tile * sizeof(T);
+                    for (std::size_t o = 0; o < (step > 64 ? step : 64); o += 64) {
+                        __builtin_prefetch(pfk + off + o, 0, 2);
+                        if (pf_v) __builtin_prefetch(pfv + off + o, 0, 2);  // (a prefetch never faults)
+                    }
+                }
+                for (std::size_t c = 0; c < KC; ++c) {
+                    fbatch krow[B];
+                    for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
+                    for (std::size_t s = 0; s < SG; ++s) {
+                        const fbatch qd(qb[std::size_t{d + c} * M + s]);
+                        for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
+                    }
                 }
             }
-            for (std::size_t c = 0; c < KC; ++c) {
+            for (; d < dk; ++d) {
                 fbatch krow[B];
-                for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
-                for (std::size_t s = 0; s < M; ++s) {
-                    const fbatch qd(q_buf[std::size_t{d + c} * M + s]);
-                    for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
+                for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
+                for (std::size_t s = 0; s < SG; ++s) {
+                    const fbatch qd(qb[std::size_t{d} * M + s]);
+                    for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
                 }
             }
+            for (std::size_t s = 0; s < SG; ++s)
+                for (std::size_t b = 0; b < B; ++b) {
+                    fbatch v = part[0][s][b];
+                    for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
+                    sc[g + s][b] = v;
+                }
         }
-        for (; d < dk; ++d) {
-            fbatch krow[B];
-            for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
-            for (std::size_t s = 0; s < M; ++s) {
-                const fbatch qd(q_buf[std::size_t{d} * M + s]);
-                for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
-            }
-        }
-        for (std::size_t s = 0; s < M; ++s)
-            for (std::size_t b = 0; b < B; ++b) {
-                fbatch v = part[0][s][b];
-                for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
-                sc[s][b] = v;
-            }
     };
 
     // ---- online softmax of one tile's scores; p_buf[s][j] = exp(logit - m) (0 where masked)
