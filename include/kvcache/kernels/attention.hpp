@@ -242,7 +242,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // In slot groups of at most SG = 8: 16 accumulators. With all 16 prefill slots at once
     // (32 accumulators + 2 K rows + a broadcast) GCC kept three accumulators on the stack,
     // an extra load and store per step on each; the second group re-reads the tile's K
-    // rows from L1 (2 more conversions per 32 FMAs, off the FMA pipes).
+    // rows from L1 and converts them again (512 x 512 prefill: 0.99-1.02x, mean 1.007x).
     constexpr std::size_t SG = M > 8 ? 8 : M;
     auto score_tile = [&](std::uint32_t tile, fbatch (&sc)[M][B]) {
         const T* kt = kv.k_tile_ptr(h, tile);
