@@ -327,7 +327,7 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
 /// of up to 16 that share every K/V read; when there are fewer items than four per
 /// thread (decode of few sequences), or fewer than 16 and the context is long (parts of
 /// >= 4096 cells), the KV range is split too and the partial softmax states are merged
-/// at the end (split-K / flash-decoding).
+/// by the thread that finishes a head group's last part (split-K / flash-decoding).
 template <class Cache>
 void attention(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos, const seq_id_t* q_seq,
                std::uint32_t n_q, const attention_params& p, float* out, attention_workspace& ws) {
