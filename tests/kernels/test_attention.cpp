@@ -298,9 +298,12 @@ TEST_CASE_TEMPLATE("attention decode split finely over long contexts matches the
 
 TEST_CASE_TEMPLATE("attention decode with K and V heads of different sizes matches the oracle", C,
                    combo<kvcache::f32, kvcache::v_layout::row_major>, combo<kvcache::f16, kvcache::v_layout::row_major>) {
-    // The fused decode loop pairs dk K rows with dv / 32 * 32 V pieces per tile; unequal
-    // sizes take its general pairing (more K rows per V piece, or fewer).
-    const std::uint32_t dims[][2] = {{64, 128}, {128, 64}, {40, 32}, {96, 160}};
+    // The fused decode loop pairs dk K rows with ceil(dv / 64) * 32 V pieces per tile
+    // (pieces of up to 64 dimensions of one cell; a narrower last block when 64 does not
+    // divide dv): a fixed 1 or 2 K rows per piece ({64, 128}; {128, 128} elsewhere), or
+    // the general pairing (more K rows per V piece, or fewer) with last blocks of 16, 32
+    // and 48 dimensions.
+    const std::uint32_t dims[][2] = {{64, 128}, {128, 64}, {40, 32}, {96, 160}, {112, 112}, {24, 16}};
     for (const auto& dd : dims)
         for (std::uint32_t group : {1u, 2u, 4u}) {
             scenario_cfg c = tail_decode(2, 700, 120);

@@ -415,11 +415,18 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     };
 
     // ---- fused: V of tile `vtile` (every cell visible to some slot) and the scores of
-    // tile `stile`, one K row and one 64-byte V piece (2 vectors of 16 dims of one cell)
-    // per step, so both streams are read at once. Alone, each loop reads one stream while
-    // the other waits; on Zen 5 that left one core at 0.7-0.85 of its read bandwidth, and
-    // the two streams read together at 1.0 (bench/README.md, "Reading K and V together").
+    // tile `stile`, K rows and one V piece (up to 4 vectors of 16 dims of one cell, 128
+    // bytes of f16) per step, so both streams are read at once. Alone, each loop reads one
+    // stream while the other waits; on Zen 5 that left one core at 0.7-0.85 of its read
+    // bandwidth, and the two streams read together at 1.0 (bench/README.md, "Reading K
+    // and V together"). Per step with D = 128 and 4 query heads: 2 K rows (4 conversions,
+    // 8 broadcasts, 16 FMAs) and a 64-dimension V piece (4 conversions, 4 broadcasts, 16
+    // FMAs). On Zen 4 a 512-bit conversion or broadcast costs more issue time than an FMA
+    // and that limits one core; scoring two tiles per step (each broadcast q feeding four
+    // FMAs) was faster in L1 but read four streams and lost 15-25% cold (bench/README.md,
+    // "V blocks of 64 dimensions").
     constexpr bool can_fuse = M <= 4 && L == 16;
+    static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
     auto fused_tile = [&](std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,
                           fbatch (&sc)[M][B]) {
         const T* kt = kv.k_tile_ptr(h, stile);
@@ -444,45 +451,63 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             }
             ++d;
         };
-        // K rows paired with V pieces: one per piece when the K and V head sizes match
-        // (a loop with no branch per step), else spread evenly (Bresenham).
-        const std::uint32_t nv = dv / v_block * k_tile;
-        auto blocks = [&](auto one_to_one) {
-            std::uint32_t err = 0;
-            for (std::uint32_t blk = 0; blk < dv / v_block; ++blk) {
-                const T* vp = vb + std::size_t{blk} * v_block * k_tile;
-                float* ab = acc + blk * v_block;
-                fbatch a[M][2];
-                for (std::size_t s = 0; s < M; ++s)
-                    for (std::size_t v = 0; v < 2; ++v) {
-                        a[s][v] = fbatch::load_unaligned(ab + s * dv + v * L);
-                        if (rescale) a[s][v] *= fbatch(alpha[s]);
-                    }
-                for (std::uint32_t j = 0; j < k_tile; ++j) {
-                    if constexpr (decltype(one_to_one)::value)
-                        score_row();
-                    else
-                        for (err += dk; err >= nv; err -= nv) score_row();
-                    const fbatch v0 = simd::load(vp + std::size_t{j} * v_block), v1 = simd::load(vp + std::size_t{j} * v_block + L);
-                    for (std::size_t s = 0; s < M; ++s) {
-                        const fbatch pj(pb[s * k_tile + j]);
-                        a[s][0] = xsimd::fma(pj, v0, a[s][0]);
-                        a[s][1] = xsimd::fma(pj, v1, a[s][1]);
-                    }
+        // K rows paired with V pieces (one cell's dimensions of one V block): a fixed number
+        // per piece when the K head size is 1 or 2 pieces' worth per cell (a loop with no
+        // branch per step; D = 128: 2 K rows per 64-dimension piece), else spread evenly
+        // (Bresenham). The last block is narrower when v_block does not divide dv.
+        const std::uint32_t n_blocks = (dv + v_block - 1) / v_block;
+        const std::uint32_t nv = n_blocks * k_tile;  // V pieces per tile
+        std::uint32_t err = 0;
+        auto block = [&](std::uint32_t blk, auto vw_tag, auto rows_tag) {
+            constexpr std::size_t VW = decltype(vw_tag)::value;  // vectors per piece
+            constexpr std::size_t R = decltype(rows_tag)::value;  // K rows per piece, 0: Bresenham
+            const std::uint32_t d0 = blk * v_block;
+            const T* vp = vb + std::size_t{d0} * k_tile;  // (earlier blocks are full)
+            const std::size_t w = VW * L;                 // this block's width
+            float* ab = acc + d0;
+            fbatch a[M][VW];
+            for (std::size_t s = 0; s < M; ++s)
+                for (std::size_t v = 0; v < VW; ++v) {
+                    a[s][v] = fbatch::load_unaligned(ab + s * dv + v * L);
+                    if (rescale) a[s][v] *= fbatch(alpha[s]);
                 }
-                for (std::size_t s = 0; s < M; ++s)
-                    for (std::size_t v = 0; v < 2; ++v) a[s][v].store_unaligned(ab + s * dv + v * L);
+            for (std::uint32_t j = 0; j < k_tile; ++j) {
+                if constexpr (R > 0)
+                    for (std::size_t r = 0; r < R; ++r) score_row();
+                else
+                    for (err += dk; err >= nv; err -= nv) score_row();
+                fbatch vr[VW];
+                for (std::size_t v = 0; v < VW; ++v) vr[v] = simd::load(vp + j * w + v * L);
+                for (std::size_t s = 0; s < M; ++s) {
+                    const fbatch pj(pb[s * k_tile + j]);
+                    for (std::size_t v = 0; v < VW; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
+                }
             }
+            for (std::size_t s = 0; s < M; ++s)
+                for (std::size_t v = 0; v < VW; ++v) a[s][v].store_unaligned(ab + s * dv + v * L);
         };
-        if (nv == dk)
-            blocks(std::true_type{});
-        else
-            blocks(std::false_type{});
+        using full = std::integral_constant<std::size_t, v_block / L>;
+        using bresenham = std::integral_constant<std::size_t, 0>;
+        if (dv % v_block == 0 && nv == dk) {
+            for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 1>{});
+        } else if (dv % v_block == 0 && 2 * nv == dk) {
+            for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 2>{});
+        } else {
+            for (std::uint32_t blk = 0; blk + 1 < n_blocks; ++blk) block(blk, full{}, bresenham{});
+            // The last block: full, or 1 to v_block / L - 1 vectors wide (dv is a multiple of L).
+            const std::uint32_t last = n_blocks - 1;
+            switch ((dv - last * v_block) / L) {
+                case 1: block(last, std::integral_constant<std::size_t, 1>{}, bresenham{}); break;
+                case 2: block(last, std::integral_constant<std::size_t, 2>{}, bresenham{}); break;
+                case 3: block(last, std::integral_constant<std::size_t, 3>{}, bresenham{}); break;
+                default: block(last, full{}, bresenham{}); break;
+            }
+        }
         while (d < dk) score_row();
         for (std::size_t s = 0; s < M; ++s)
             for (std::size_t b = 0; b < B; ++b) sc[s][b] = part[s][b];
     };
-    const bool fuse = can_fuse && !vt && dv % v_block == 0;
+    const bool fuse = can_fuse && !vt && dv % L == 0;
 
     // Software pipeline: the scores of the next visible tile are computed together with
     // the V update of the current one.

@@ -25,16 +25,20 @@
 // - V is row-major per head (each cell's row of dim_v values, the "flash" layout) or
 //   transposed ([d][cell], llama.cpp's non-flash layout), chosen by the layout policy.
 //   Row-major V is blocked like K: a 32-cell tile holds its rows as blocks of
-//   v_block = 32 dimensions, [block][32 cells][32] (the last block narrower when 32
-//   does not divide dim_v). Decode reads K and V of a tile together, one K row and one
-//   cell's 32-dimension piece of V per step, and with four query heads a block's 4 x 2
-//   accumulators stay in registers; in this order the tile's V is one sequential
-//   stream. Plain [cell][d] rows would be read 64 bytes per cell with 192-byte gaps, and
+//   v_block = 64 dimensions, [block][32 cells][64] (the last block narrower when 64
+//   does not divide dim_v). Decode reads K and V of a tile together, K rows and one
+//   cell's 64-dimension piece of V per step (two K rows per piece for D = 128), and with
+//   four query heads a block's 4 x 4 accumulators stay in registers, so each broadcast
+//   probability feeds four FMAs; in this order the tile's V is one sequential stream.
+//   Plain [cell][d] rows would be read 64 bytes per cell with 192-byte gaps, and
 //   reading K and V one after the other left a Zen 5 core at 0.7-0.85 of its read
-//   bandwidth (bench/README.md, "Reading K and V together").
+//   bandwidth (bench/README.md, "Reading K and V together"). Blocks of 32 dimensions
+//   (before 2026-11-25) fed two FMAs per broadcast; on Zen 4, where one core's decode is
+//   bound by its 512-bit conversions and broadcasts, 64 made 1-thread decode 1.05x
+//   faster (bench/README.md, "V blocks of 64 dimensions").
 //
-// Element offsets (cp = cells rounded up to a multiple of k_tile; b = d / 32 * 32,
-// w = min(32, dim_v - b)):
+// Element offsets (cp = cells rounded up to a multiple of k_tile; b = d / 64 * 64,
+// w = min(64, dim_v - b)):
 //   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 32)*32*dim_k + k_row(d)*32 + c % 32
 //   V(l, h, c, d) = l*v_layer_stride + h*v_head_stride + (c / 32)*32*dim_v + b*32 + (c % 32)*w + d - b
 //                                                                              (row-major)
@@ -64,7 +68,7 @@ inline constexpr std::uint32_t k_tile = 32;
 
 /// Dimensions per V block: row-major V stores each 32-cell tile as blocks of v_block
 /// dimensions, [block][32 cells][v_block] (see "V is row-major" above).
-inline constexpr std::uint32_t v_block = 32;
+inline constexpr std::uint32_t v_block = 64;
 
 /// One bit per cell of a K tile.
 using tile_mask = std::uint32_t;
@@ -74,7 +78,7 @@ static_assert(k_tile == 8 * sizeof(tile_mask), "a tile_mask has one bit per cell
 
 /// How V rows are stored (F9).
 enum class v_layout : std::uint8_t {
-    row_major = 0,   ///< a row per cell (flash-style attention), tiles of 32 cells in blocks of 32 dimensions
+    row_major = 0,   ///< a row per cell (flash-style attention), tiles of 32 cells in blocks of 64 dimensions
     transposed = 1,  ///< [head][d][cell]: llama.cpp's non-flash layout (V^T . p as a GEMV)
 };
 
