@@ -20,9 +20,10 @@
 // stay in registers. Online softmax keeps (max, sum) per slot; rescaling of the output
 // accumulator happens only when a slot's max grows.
 // With up to 4 slots (decode) and 16-lane vectors, the loop is software-pipelined: the
-// V update of one tile and the scores of the next visible tile run in one loop, a K row
-// and a 64-byte V piece per step, so K and V stream from memory together instead of
-// one after the other (1.16-1.23x on cold decode, Zen 5; bench/README.md).
+// V update of one tile and the scores of the next visible tile run in one loop, K rows
+// and one cell's piece of a 64-dimension V block per step, so K and V stream from memory
+// together instead of one after the other (1.16-1.23x on cold decode, Zen 5;
+// bench/README.md).
 #pragma once
 
 #include <xsimd/xsimd.hpp>
