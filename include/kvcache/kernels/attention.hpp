@@ -424,8 +424,8 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // 8 broadcasts, 16 FMAs) and a 64-dimension V piece (4 conversions, 4 broadcasts, 16
     // FMAs). On Zen 4 a 512-bit conversion or broadcast costs more issue time than an FMA
     // and that limits one core; scoring two tiles per step (each broadcast q feeding four
-    // FMAs) was faster in L1 but read four streams and lost 15-25% cold (bench/README.md,
-    // "V blocks of 64 dimensions").
+    // FMAs) was faster in L1 but read four streams and lost about a fifth cold
+    // (bench/README.md, "V blocks of 64 dimensions").
     constexpr bool can_fuse = M <= 4 && L == 16;
     static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
     auto fused_tile = [&](std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,
