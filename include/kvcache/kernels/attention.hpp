@@ -489,7 +489,10 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
         };
         using full = std::integral_constant<std::size_t, v_block / L>;
         using bresenham = std::integral_constant<std::size_t, 0>;
-        if (dv % v_block == 0 && nv == dk) {
+        if constexpr (!can_fuse) {
+            // (Never called: `fuse` is false. Not instantiating the blocks keeps builds with
+            // narrower vectors from compiling dead loops of v_block / L accumulators each.)
+        } else if (dv % v_block == 0 && nv == dk) {
             for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 1>{});
         } else if (dv % v_block == 0 && 2 * nv == dk) {
             for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 2>{});
