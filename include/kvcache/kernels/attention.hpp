@@ -273,7 +273,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     fbatch krow[B];
                     for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
                     for (std::size_t s = 0; s < SG; ++s) {
-                        const fbatch qd(qb[std::size_t{d + c} * M + s]);
+                        const fbatch qd = simd::broadcast(qb + std::size_t{d + c} * M + s);
                         for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
                     }
                 }
@@ -282,7 +282,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 fbatch krow[B];
                 for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
                 for (std::size_t s = 0; s < SG; ++s) {
-                    const fbatch qd(qb[std::size_t{d} * M + s]);
+                    const fbatch qd = simd::broadcast(qb + std::size_t{d} * M + s);
                     for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
                 }
             }
@@ -369,7 +369,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                         fbatch vr[VB];
                         for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + at(j, d + v * L));
                         for (std::size_t s = 0; s < MG; ++s) {
-                            const fbatch pj(p_buf[(g + s) * k_tile + j]);
+                            const fbatch pj = simd::broadcast(p_buf + (g + s) * k_tile + j);
                             for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
                         }
                     };
@@ -392,7 +392,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                     const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
                     const fbatch vr = simd::load(src + at(j, d));
-                    for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(fbatch(p_buf[s * k_tile + j]), vr, a[s]);
+                    for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(simd::broadcast(p_buf + s * k_tile + j), vr, a[s]);
                 }
                 for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
             }
@@ -447,7 +447,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             fbatch krow[B];
             for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
             for (std::size_t s = 0; s < M; ++s) {
-                const fbatch qd(qb[std::size_t{d} * M + s]);
+                const fbatch qd = simd::broadcast(qb + std::size_t{d} * M + s);
                 for (std::size_t b = 0; b < B; ++b) part[s][b] = xsimd::fma(qd, krow[b], part[s][b]);
             }
             ++d;
@@ -480,7 +480,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 fbatch vr[VW];
                 for (std::size_t v = 0; v < VW; ++v) vr[v] = simd::load(vp + j * w + v * L);
                 for (std::size_t s = 0; s < M; ++s) {
-                    const fbatch pj(pb[s * k_tile + j]);
+                    const fbatch pj = simd::broadcast(pb + s * k_tile + j);
                     for (std::size_t v = 0; v < VW; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
                 }
             }

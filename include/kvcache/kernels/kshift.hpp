@@ -63,8 +63,8 @@ inline void rotate_rows(T* p, std::uint32_t n_pairs, const float* cs, const floa
             for (std::size_t o = 0; o < pf_step; o += 64) __builtin_prefetch(pf + std::size_t{i} * pf_step + o, 1, 3);
         for (std::size_t b = 0; b < B; ++b) {
             const fbatch x0 = simd::load(p + b * L), x1 = simd::load(p + off + b * L);
-            const fbatch c = Uniform ? fbatch(cs[i]) : fbatch::load_unaligned(cs + std::size_t{i} * k_tile + b * L);
-            const fbatch s = Uniform ? fbatch(sn[i]) : fbatch::load_unaligned(sn + std::size_t{i} * k_tile + b * L);
+            const fbatch c = Uniform ? simd::broadcast(cs + i) : fbatch::load_unaligned(cs + std::size_t{i} * k_tile + b * L);
+            const fbatch s = Uniform ? simd::broadcast(sn + i) : fbatch::load_unaligned(sn + std::size_t{i} * k_tile + b * L);
             fbatch y0 = xsimd::fms(x0, c, x1 * s);
             fbatch y1 = xsimd::fma(x0, s, x1 * c);
             if constexpr (Partial) {
