@@ -422,10 +422,11 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // bandwidth, and the two streams read together at 1.0 (bench/README.md, "Reading K
     // and V together"). Per step with D = 128 and 4 query heads: 2 K rows (4 conversions,
     // 8 broadcasts, 16 FMAs) and a 64-dimension V piece (4 conversions, 4 broadcasts, 16
-    // FMAs). On Zen 4 a 512-bit conversion or broadcast costs more issue time than an FMA
-    // and that limits one core; scoring two tiles per step (each broadcast q feeding four
-    // FMAs) was faster in L1 but read four streams and lost about a fifth cold
-    // (bench/README.md, "V blocks of 64 dimensions").
+    // FMAs). The broadcasts are simd::broadcast (integer form): with the float form, which
+    // takes vector-pipe slots on Zen 4, one Zen 4 core ran this loop at 0.82 of its FMA
+    // rate in L1 and decoded 1.15x slower cold (bench/README.md, "Broadcasts on Zen 4").
+    // Scoring two tiles per step (each broadcast q feeding four FMAs) read four streams
+    // and lost about a fifth cold ("V blocks of 64 dimensions").
     constexpr bool can_fuse = M <= 4 && L == 16;
     static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
     auto fused_tile = [&](std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,

@@ -33,9 +33,10 @@
 //   Plain [cell][d] rows would be read 64 bytes per cell with 192-byte gaps, and
 //   reading K and V one after the other left a Zen 5 core at 0.7-0.85 of its read
 //   bandwidth (bench/README.md, "Reading K and V together"). Blocks of 32 dimensions
-//   (before 2026-11-25) fed two FMAs per broadcast; on Zen 4, where one core's decode is
-//   bound by its 512-bit conversions and broadcasts, 64 made 1-thread decode 1.05x
-//   faster (bench/README.md, "V blocks of 64 dimensions").
+//   (before 2026-11-25) fed two FMAs per broadcast; on Zen 4, whose float broadcasts
+//   then limited one core's decode, 64 made 1-thread decode 1.05x faster
+//   (bench/README.md, "V blocks of 64 dimensions"; the integer broadcasts that followed
+//   gave another 1.15x, "Broadcasts on Zen 4").
 //
 // Element offsets (cp = cells rounded up to a multiple of k_tile; b = d / 64 * 64,
 // w = min(64, dim_v - b)):
