@@ -422,9 +422,9 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // bandwidth, and the two streams read together at 1.0 (bench/README.md, "Reading K
     // and V together"). Per step with D = 128 and 4 query heads: 2 K rows (4 conversions,
     // 8 broadcasts, 16 FMAs) and a 64-dimension V piece (4 conversions, 4 broadcasts, 16
-    // FMAs). The broadcasts are simd::broadcast (integer form): with the float form, which
-    // takes vector-pipe slots on Zen 4, one Zen 4 core ran this loop at 0.82 of its FMA
-    // rate in L1 and decoded 1.15x slower cold (bench/README.md, "Broadcasts on Zen 4").
+    // FMAs). The broadcasts are simd::broadcast (integer form): with the compiler's float
+    // form one Zen 4 core ran this loop at 0.82 of its FMA rate in L1 and decoded 1.15x
+    // slower cold (bench/README.md, "Broadcasts on Zen 4").
     // Scoring two tiles per step (each broadcast q feeding four FMAs) read four streams
     // and lost about a fifth cold ("V blocks of 64 dimensions").
     constexpr bool can_fuse = M <= 4 && L == 16;

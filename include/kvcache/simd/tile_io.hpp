@@ -52,10 +52,11 @@ inline fbatch load(const bfloat16* p) noexcept {
 
 /// The float at p in every lane. With AVX-512 this is `vpbroadcastd zmm, m32`, written
 /// out because compilers emit `vbroadcastss` or fold the broadcast into an FMA operand
-/// (`{1to16}`): on Zen 4 both of those take vector-pipe issue slots, while the integer
-/// form is handled by the load unit. In L1, a score step of 2 f16 K rows, 4 broadcasts
-/// and 8 FMAs ran at 0.75 of the FMA rate with `vbroadcastss` and 1.00 with this
-/// (bench/README.md, "Broadcasts on Zen 4"). Same lanes, same bits: only the instruction differs.
+/// (`{1to16}`), and on Zen 4 both slow down loops that also load and convert K / V
+/// while the integer form does not. In L1, a score step of 2 f16 K rows, 4 broadcasts
+/// and 8 FMAs ran at 0.75 of the FMA rate with `vbroadcastss`, 0.39 with `{1to16}` and
+/// 1.00 with this (bench/README.md, "Broadcasts on Zen 4"). Same lanes, same bits: only
+/// the instruction differs.
 inline fbatch broadcast(const float* p) noexcept {
 #if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
     if constexpr (lanes == 16) {
