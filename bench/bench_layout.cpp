@@ -20,7 +20,7 @@
 #include <benchmark/benchmark.h>
 
 #include <kvcache/element/f16.hpp>
-#include <kvcache/kv_cache.hpp>
+#include <kvcache/memory/kv_cache.hpp>
 #include <kvcache/layout/paged.hpp>
 #include <kvcache/ops/attention.hpp>
 #include <kvcache/ops/defrag.hpp>

@@ -9,15 +9,6 @@
 #define KVCACHE_VERSION_MINOR 1
 #define KVCACHE_VERSION_PATCH 0
 
-/// Versioned inline namespace: objects built against different major/minor
-/// versions cannot be mixed at link time by accident.
-#define KVCACHE_BEGIN_NAMESPACE \
-    namespace kvcache {         \
-    inline namespace v0_1 {
-#define KVCACHE_END_NAMESPACE \
-    }                         \
-    }
-
 /// Largest number of sequences a cache can track (size of the per-cell
 /// sequence bitset). Must be a multiple of 64.
 #ifndef KVCACHE_MAX_SEQ
@@ -25,6 +16,40 @@
 #endif
 static_assert(KVCACHE_MAX_SEQ > 0 && KVCACHE_MAX_SEQ % 64 == 0,
               "KVCACHE_MAX_SEQ must be a positive multiple of 64");
+
+/// The instruction sets the inline code was compiled for. Kernels, conversions and the
+/// checksum choose their code with #if on these macros, so two translation units built
+/// with different -m flags compile different bodies for the same inline function; the
+/// ABI namespace below carries this tag so that the linker never merges them.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVCACHE_ISA_TAG avx512bw
+#elif defined(__AVX512F__)
+#define KVCACHE_ISA_TAG avx512f
+#elif defined(__AVX2__) && defined(__F16C__)
+#define KVCACHE_ISA_TAG avx2_f16c
+#elif defined(__AVX2__)
+#define KVCACHE_ISA_TAG avx2
+#elif defined(__F16C__)
+#define KVCACHE_ISA_TAG f16c
+#elif defined(__AVX__)
+#define KVCACHE_ISA_TAG avx
+#else
+#define KVCACHE_ISA_TAG generic
+#endif
+
+#define KVCACHE_CAT_(a, b) a##b
+#define KVCACHE_CAT(a, b) KVCACHE_CAT_(a, b)
+/// Versioned, ABI-tagged inline namespace: version, instruction sets (KVCACHE_ISA_TAG) and
+/// KVCACHE_MAX_SEQ, e.g. kvcache::v0_1_avx512bw_s256. Objects built against another
+/// version, with other -m flags or another KVCACHE_MAX_SEQ cannot be mixed at link time by
+/// accident (the one-definition rule would otherwise be broken silently).
+#define KVCACHE_ABI_NAMESPACE KVCACHE_CAT(KVCACHE_CAT(v0_1_, KVCACHE_ISA_TAG), KVCACHE_CAT(_s, KVCACHE_MAX_SEQ))
+#define KVCACHE_BEGIN_NAMESPACE \
+    namespace kvcache {         \
+    inline namespace KVCACHE_ABI_NAMESPACE {
+#define KVCACHE_END_NAMESPACE \
+    }                         \
+    }
 
 /// Assertion for programming errors (broken preconditions inside the library).
 /// Invalid arguments from the host are never asserted: they throw kvcache::error.

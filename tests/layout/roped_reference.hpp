@@ -6,8 +6,8 @@
 
 #include <doctest/doctest.h>
 
-#include <kvcache/kv_cache.hpp>
-#include <kvcache/layout/seq_step.hpp>
+#include <kvcache/memory/kv_cache.hpp>
+#include <kvcache/cells/seq_step.hpp>
 #include <kvcache/ops/attention.hpp>
 #include <kvcache/ops/rope.hpp>
 

@@ -5,7 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <kvcache/element/f16.hpp>
-#include <kvcache/kv_cache.hpp>
+#include <kvcache/memory/kv_cache.hpp>
 #include <kvcache/layout/paged.hpp>
 #include <kvcache/layout/ring.hpp>
 

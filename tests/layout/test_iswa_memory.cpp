@@ -5,8 +5,9 @@
 #include <doctest/doctest.h>
 
 #include <kvcache/element/f16.hpp>
-#include <kvcache/kv_cache.hpp>
-#include <kvcache/layout/iswa.hpp>
+#include <kvcache/memory/kv_cache.hpp>
+#include <kvcache/memory/iswa_cache.hpp>
+#include <kvcache/ops/kshift.hpp>
 #include <kvcache/layout/paged.hpp>
 #include <kvcache/layout/ring.hpp>
 #include <kvcache/ops/attention.hpp>
@@ -210,7 +211,7 @@ TEST_CASE("iswa: seq_add / seq_div move both caches or neither, whichever refuse
     CHECK(c.full().cells().seq_positions(0) == c.swa().cells().seq_positions(0));
     CHECK(c.full().has_shift());
     CHECK(c.swa().has_shift());
-    c.apply_k_shift();
+    kvcache::ops::apply_k_shift(c);
     CHECK_FALSE(c.has_shift());
     c.clear();
     // the ring refuses (its window pruned positions 0..3): the full cache stays unchanged
@@ -248,7 +249,7 @@ TEST_CASE("iswa: seq_add / seq_div move both caches or neither, whichever refuse
     c.seq_add(1, 100, -1, 4);
     CHECK(c.full().seq_pos_max(1) == 119);
     CHECK(c.swa().seq_pos_max(1) == 119);
-    c.apply_k_shift();
+    kvcache::ops::apply_k_shift(c);
     CHECK_FALSE(c.has_shift());
 }
 

@@ -12,7 +12,7 @@
 
 #include <kvcache/element/bf16.hpp>
 #include <kvcache/element/f16.hpp>
-#include <kvcache/kv_cache.hpp>
+#include <kvcache/memory/kv_cache.hpp>
 #include <kvcache/layout/paged.hpp>
 #include <kvcache/layout/ring.hpp>
 

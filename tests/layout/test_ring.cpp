@@ -6,7 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <kvcache/element/f16.hpp>
-#include <kvcache/kv_cache.hpp>
+#include <kvcache/memory/kv_cache.hpp>
 #include <kvcache/layout/ring.hpp>
 #include <kvcache/ops/attention.hpp>
 

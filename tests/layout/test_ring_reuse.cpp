@@ -14,12 +14,12 @@
 //   - ops::memory on a ring whose split copies reached the cells past the last region.
 #include <doctest/doctest.h>
 
-#include <kvcache/kv_cache.hpp>
+#include <kvcache/memory/kv_cache.hpp>
 #include <kvcache/layout/ring.hpp>
 #include <kvcache/ops/context_shift.hpp>
 #include <kvcache/ops/kshift.hpp>
 #include <kvcache/ops/memory.hpp>
-#include <kvcache/prompt/prompt_tokens.hpp>
+#include <kvcache/tokens/prompt_tokens.hpp>
 #include <kvcache/reuse/plan.hpp>
 
 #include <cstdio>

@@ -9,7 +9,7 @@
 //   - splits of shared cells by seq_add, and the seq_cp rules.
 #include <doctest/doctest.h>
 
-#include <kvcache/kv_cache.hpp>
+#include <kvcache/memory/kv_cache.hpp>
 #include <kvcache/layout/ring.hpp>
 #include <kvcache/ops/attention.hpp>
 #include <kvcache/ops/context_shift.hpp>

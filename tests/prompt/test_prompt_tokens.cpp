@@ -3,7 +3,7 @@
 // malformed lists are refused with a clear error.
 #include <doctest/doctest.h>
 
-#include <kvcache/prompt/prompt_tokens.hpp>
+#include <kvcache/tokens/prompt_tokens.hpp>
 
 #include <cstdio>
 #include <random>

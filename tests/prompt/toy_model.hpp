@@ -9,7 +9,7 @@
 #pragma once
 
 #include <kvcache/kvcache.hpp>
-#include <kvcache/prompt/prompt_tokens.hpp>
+#include <kvcache/tokens/prompt_tokens.hpp>
 
 #include <cmath>
 #include <cstdint>

@@ -20,7 +20,7 @@
 #include <unordered_map>  // piece -> id
 #include <vector>         // token lists
 
-#include <kvcache/prompt/token.hpp>
+#include <kvcache/tokens/token.hpp>
 
 #include "model.hpp"
 

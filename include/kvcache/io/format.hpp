@@ -32,7 +32,7 @@
 //                           K: ceil(n_cells/16) tiles of [head_dim_k][16 cells] elements
 //                              (rows in dimension order even where the cache keeps NeoX
 //                              pair order; lanes past n_cells are zero). The cache's own
-//                              K tiles are 32 cells wide (layout/kv_storage.hpp); the
+//                              K tiles are 32 cells wide (format/kv_view.hpp); the
 //                              format keeps 16 so that files do not depend on it
 //                           V: n_cells rows of head_dim_v elements
 //   end-8  8     XXH3-64 of every byte before it

@@ -40,9 +40,9 @@
 #include "../cells/cell_table.hpp"
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
-#include "../layout/kv_storage.hpp"
+#include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
-#include "../prompt/token.hpp"
+#include "../tokens/token.hpp"
 #include "file.hpp"
 #include "format.hpp"
 
@@ -151,7 +151,7 @@ template <class Cache>
 constexpr void require_raw_view() {
     static_assert(requires(const typename Cache::storage_t& s) { s.view(0u).k_offset(0u, 0u, 0u); },
                   "kvcache::io: state I/O needs a layout storage with view(layer) returning a kv_layer_view "
-                  "(see layout/kv_storage.hpp)");
+                  "(see format/kv_view.hpp)");
 }
 
 /// How the K/V of saved cell i (format order) maps to cell map[i] of the storage. A
@@ -237,7 +237,7 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
     const std::size_t tile_bytes = std::size_t{w} * v.dim_k * es;  // one format K tile
     const std::size_t row_bytes = std::size_t{v.dim_v} * es;
     // A format tile's rows are 16 lanes of one dimension, in dimension order; in the
-    // storage they are part of a k_tile-wide row, in RoPE pair order (layout/kv_storage.hpp,
+    // storage they are part of a k_tile-wide row, in RoPE pair order (format/kv_view.hpp,
     // which differs for NeoX): an aligned tile moves row by row, 16 lanes at a time.
     std::size_t at = 0;  // format offset of the current head's K or V block
     for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_tiles} * tile_bytes) {
@@ -268,7 +268,7 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
     for (std::uint32_t h = 0; h < v.n_head_kv; ++h, at += std::size_t{p.n_cells} * row_bytes) {
         if (v.vl == v_layout::row_major) {
             // The format's V rows are whole; the storage keeps each tile's rows as blocks of
-            // v_block dimensions (layout/kv_storage.hpp). Per stretch of a run inside one
+            // v_block dimensions (format/kv_view.hpp). Per stretch of a run inside one
             // storage tile (at most 32 cells, 8 KiB for f16 heads of 128): block by block,
             // so the storage side of each block is one contiguous run and the format side
             // stays in L1, then the stretch is hashed while it is still there.

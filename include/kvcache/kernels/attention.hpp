@@ -1,7 +1,7 @@
 // kvcache kernels: flash-style attention over tiled K / row-major or transposed V.
 //
 // Assumptions (checked by the caller, ops/attention.hpp):
-// - K is tiled (layout/kv_storage.hpp): tile t of head h holds cells [32t, 32t+32)
+// - K is tiled (format/kv_view.hpp): tile t of head h holds cells [32t, 32t+32)
 //   one dimension per row (rows in RoPE pair order: q is permuted to match), so the
 //   scores of 32 cells for one query head are FMAs of a broadcast q[d] with one K row
 //   (two 16-lane vectors: each broadcast feeds two FMAs): no horizontal reduction per cell.
@@ -37,7 +37,7 @@
 
 #include "../cells/seq_set.hpp"
 #include "../config.hpp"
-#include "../layout/kv_storage.hpp"
+#include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 #include "../simd/tile_io.hpp"
 
@@ -354,7 +354,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             }
         }
         const T* vtile = vt ? nullptr : kv.v_tile_ptr(h, tile);
-        // Element (cell j, dimension d) of the tile: at(j, d) into V blocks (layout/kv_storage.hpp) or the scratch rows.
+        // Element (cell j, dimension d) of the tile: at(j, d) into V blocks (format/kv_view.hpp) or the scratch rows.
         auto accumulate = [&](auto* src, auto&& at) {
             std::uint32_t d = 0;
             for (; d + VB * L <= dv; d += VB * L) {

@@ -1,7 +1,7 @@
 // kvcache kernels: K-shift (F6) on tiled K storage.
 //
 // Assumptions (checked by the caller, ops/kshift.hpp):
-// - K is tiled as in layout/kv_storage.hpp: tile t of head h holds cells
+// - K is tiled as in format/kv_view.hpp: tile t of head h holds cells
 //   [32t, 32t + 32), row-major ([row][32 cells]), rows in RoPE pair order: pair i
 //   of either pair layout (normal or NeoX) is rows (2i, 2i + 1).
 // - Every tile visited carries a tile_rotation: the cells of the tile that move
@@ -24,7 +24,7 @@
 #include <type_traits>  // std::true_type
 
 #include "../config.hpp"
-#include "../layout/kv_storage.hpp"
+#include "../format/kv_view.hpp"
 #include "../simd/tile_io.hpp"
 
 KVCACHE_BEGIN_NAMESPACE

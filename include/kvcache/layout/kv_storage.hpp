@@ -1,56 +1,11 @@
-// kvcache: the K/V buffer arrangement shared by the cell-indexed layouts.
-//
-// Why this arrangement (it decides how fast the kernels can be):
-// - Head-major: every KV head of a layer owns one contiguous run of cells, so
-//   attention streams one head's K and V rows sequentially, and all query heads
-//   of a GQA group read them once.
-// - K is tiled: cells are grouped in tiles of k_tile = 32 and, inside a tile, K is
-//   stored one dimension per row ([row][32 cells]). q.K for 32 cells is then FMAs of a
-//   broadcast q[d] with one contiguous row (two 16-lane vectors): no horizontal
-//   reduction per cell. The K-shift applies the same 2x2 rotation to 32 cells at once.
-//   Why 32 and not 16 (one vector): a broadcast query element then feeds two FMAs
-//   instead of one, and the score loop was limited by the broadcasts, not by the FMAs
-//   (Zen 5: 0.71-0.78 cycles per FMA with one, ~0.53 with two or more); an f16 row is
-//   then exactly one 64-byte line. L2-resident decode ran 22% faster and 512 x 512
-//   prefill 6-8% (bench/README.md, "K tiles of 32 cells").
-// - K rows are stored in RoPE pair order: the two dimensions a rotation mixes are
-//   adjacent rows. For normal RoPE (pairs (2i, 2i+1)) that is dimension order; for
-//   NeoX (pairs (i, i + n_rot/2)) dimension i is row 2i and dimension i + n_rot/2 is
-//   row 2i + 1 (dimensions >= n_rot keep their row). The K-shift then walks every
-//   tile in address order for both pair layouts: NeoX in dimension order walked two
-//   streams half a tile apart and ran at 0.75-0.9 of the in-place bandwidth on Zen 5
-//   against 1.0-1.2 for normal RoPE. Attention permutes q the same way (q.K is a sum
-//   over dimensions, so only the pairing of q[d] with K row k_row(d) matters), and
-//   state files keep dimension order (io/format.hpp).
-// - V is row-major per head (each cell's row of dim_v values, the "flash" layout) or
-//   transposed ([d][cell], llama.cpp's non-flash layout), chosen by the layout policy.
-//   Row-major V is blocked like K: a 32-cell tile holds its rows as blocks of
-//   v_block = 64 dimensions, [block][32 cells][64] (the last block narrower when 64
-//   does not divide dim_v). Decode reads K and V of a tile together, K rows and one
-//   cell's 64-dimension piece of V per step (two K rows per piece for D = 128), and with
-//   four query heads a block's 4 x 4 accumulators stay in registers, so each broadcast
-//   probability feeds four FMAs; in this order the tile's V is one sequential stream.
-//   Plain [cell][d] rows would be read 64 bytes per cell with 192-byte gaps, and
-//   reading K and V one after the other left a Zen 5 core at 0.7-0.85 of its read
-//   bandwidth (bench/README.md, "Reading K and V together"). Blocks of 32 dimensions
-//   (before 2026-11-25) fed two FMAs per broadcast; on Zen 4, whose float broadcasts
-//   then limited one core's decode, 64 made 1-thread decode 1.05x faster
-//   (bench/README.md, "V blocks of 64 dimensions"; the integer broadcasts that followed
-//   gave another 1.15x, "Broadcasts on Zen 4").
-//
-// Element offsets (cp = cells rounded up to a multiple of k_tile; b = d / 64 * 64,
-// w = min(64, dim_v - b)):
-//   K(l, h, c, d) = l*k_layer_stride + h*k_head_stride + (c / 32)*32*dim_k + k_row(d)*32 + c % 32
-//   V(l, h, c, d) = l*v_layer_stride + h*v_head_stride + (c / 32)*32*dim_v + b*32 + (c % 32)*w + d - b
-//                                                                              (row-major)
-//                 = l*v_layer_stride + h*v_head_stride + d*cp + c             (transposed)
-// with k_head_stride = cp*dim_k, v_head_stride = cp*dim_v.
+// kvcache: tiled_kv_storage, the K/V buffers of the cell-indexed layouts, in the format
+// described in format/kv_view.hpp (tiles of 32 cells, RoPE pair order, V blocks).
 #pragma once
 
-#include <algorithm>  // std::fill_n
+#include <algorithm>  // std::min, std::max
 #include <cstddef>    // std::size_t
 #include <cstdint>    // std::uint32_t
-#include <cstring>    // std::memset, std::memcpy
+#include <cstring>    // std::memset
 #include <memory>     // std::unique_ptr
 #include <new>        // aligned operator new
 #include <vector>     // conversion scratch
@@ -60,76 +15,10 @@
 #endif
 
 #include "../concepts.hpp"
+#include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
-
-/// Cells per K tile (two 512-bit vectors of f32 lanes; see "K is tiled" above).
-inline constexpr std::uint32_t k_tile = 32;
-
-/// Dimensions per V block: row-major V stores each 32-cell tile as blocks of v_block
-/// dimensions, [block][32 cells][v_block] (see "V is row-major" above).
-inline constexpr std::uint32_t v_block = 64;
-
-/// One bit per cell of a K tile.
-using tile_mask = std::uint32_t;
-/// Every cell of a K tile.
-inline constexpr tile_mask k_tile_full = ~tile_mask{0};
-static_assert(k_tile == 8 * sizeof(tile_mask), "a tile_mask has one bit per cell of a K tile");
-
-/// How V rows are stored (F9).
-enum class v_layout : std::uint8_t {
-    row_major = 0,   ///< a row per cell (flash-style attention), tiles of 32 cells in blocks of 64 dimensions
-    transposed = 1,  ///< [head][d][cell]: llama.cpp's non-flash layout (V^T . p as a GEMV)
-};
-
-/// Raw view of one layer's K and V for kernels. T may be const-qualified.
-template <class T>
-struct kv_layer_view {
-    T* k = nullptr;               ///< K tiles of head 0 (see offsets above)
-    T* v = nullptr;               ///< V of head 0
-    std::uint32_t n_head_kv = 0;
-    std::uint32_t dim_k = 0;
-    std::uint32_t dim_v = 0;
-    std::uint32_t n_cells_pad = 0;  ///< cells allocated, a multiple of k_tile
-    std::size_t k_head_stride = 0;  ///< elements between heads in k
-    std::size_t v_head_stride = 0;  ///< elements between heads in v
-    v_layout vl = v_layout::row_major;
-    std::uint32_t neox_rot = 0;     ///< n_rot when K rows are in NeoX pair order, else 0
-
-    /// Row of dimension d inside a K tile (see "RoPE pair order" above).
-    [[nodiscard]] std::uint32_t k_row(std::uint32_t d) const noexcept {
-        const std::uint32_t half = neox_rot / 2;
-        if (d >= neox_rot) return d;
-        return d < half ? 2 * d : 2 * (d - half) + 1;
-    }
-    /// First element of K tile `tile` (cells [32*tile, 32*tile + 32)) of head h: dim_k rows of 32.
-    [[nodiscard]] T* k_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
-        return k + h * k_head_stride + std::size_t{tile} * k_tile * dim_k;
-    }
-    /// Offset of K element (h, cell, dimension d).
-    [[nodiscard]] std::size_t k_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
-        return h * k_head_stride + std::size_t{c / k_tile} * k_tile * dim_k + std::size_t{k_row(d)} * k_tile + c % k_tile;
-    }
-    /// Row-major V: first element of tile `tile` (cells [32*tile, 32*tile + 32)) of head h.
-    [[nodiscard]] T* v_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
-        return v + h * v_head_stride + std::size_t{tile} * k_tile * dim_v;
-    }
-    /// Row-major V: offset of (cell 32*tile + j, dimension d) from v_tile_ptr: blocks of
-    /// v_block dimensions, each [32 cells][v_block] (the last block narrower when
-    /// v_block does not divide dim_v).
-    [[nodiscard]] std::size_t v_in_tile(std::uint32_t j, std::uint32_t d) const noexcept {
-        const std::uint32_t d0 = d / v_block * v_block;
-        const std::uint32_t w = dim_v - d0 < v_block ? dim_v - d0 : v_block;
-        return std::size_t{d0} * k_tile + std::size_t{j} * w + (d - d0);
-    }
-    /// Offset of V element (h, cell, d) for either V layout.
-    [[nodiscard]] std::size_t v_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
-        return vl == v_layout::row_major
-                   ? h * v_head_stride + std::size_t{c / k_tile} * k_tile * dim_v + v_in_tile(c % k_tile, d)
-                   : h * v_head_stride + std::size_t{d} * n_cells_pad + c;
-    }
-};
 
 /// K/V buffers of at least this many bytes start on a 2 MiB boundary and, on Linux, are
 /// advised MADV_HUGEPAGE before they are first touched, so that with transparent huge

@@ -81,7 +81,7 @@
 #include "../concepts.hpp"
 #include "../error.hpp"
 #include "kv_storage.hpp"
-#include "seq_step.hpp"
+#include "../cells/seq_step.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 

@@ -16,7 +16,7 @@
 #include "../error.hpp"
 #include "../kernels/attention.hpp"
 #include "../kernels/path.hpp"
-#include "../layout/kv_storage.hpp"
+#include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE

@@ -11,7 +11,7 @@
 #include <vector>    // steps for the layout hook
 
 #include "../error.hpp"
-#include "../layout/seq_step.hpp"
+#include "../cells/seq_step.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE

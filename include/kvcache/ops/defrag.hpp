@@ -25,7 +25,7 @@
 #include "../config.hpp"
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
-#include "../layout/kv_storage.hpp"
+#include "../format/kv_view.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace ops {

@@ -10,7 +10,9 @@
 #include "../kernels/kshift.hpp"
 #include "../kernels/path.hpp"
 #include "../kernels/rope_angles.hpp"
-#include "../layout/kv_storage.hpp"
+#include "../memory/memory.hpp"
+#include "../detail/policy_select.hpp"
+#include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -140,7 +142,7 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
             storage_type* tile = tile_ptr(item);
             // The tile after next, asked for one line per row pair as the kernel goes.
             // The kernel walks each tile in address order (rows are in pair order, see
-            // layout/kv_storage.hpp): on the 16-core Xeon it still needs the prefetch
+            // format/kv_view.hpp): on the 16-core Xeon it still needs the prefetch
             // (1 thread, f16: 0.58 of the in-place bandwidth without, 1.2 with), on Zen 5
             // it runs 5-7% faster without. A burst of prefetches per tile did no better
             // and swung by 2x with its loop's alignment.
@@ -164,6 +166,13 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
         }
     }
     cache.clear_shifts();
+}
+
+/// K-shift of a memory made of several caches (iswa_cache): every part's pending shift.
+template <class Memory>
+    requires composite_memory<Memory>
+void apply_k_shift(Memory& mem, int n_threads = 0, kernel_path path = kernel_path::simd) {
+    mem.for_each_part(kvcache::detail::internal_access{}, [&](auto& part) { apply_k_shift(part, n_threads, path); });
 }
 
 }  // namespace ops

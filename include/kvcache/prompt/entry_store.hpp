@@ -32,7 +32,7 @@
 
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
-#include "../layout/kv_storage.hpp"
+#include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE

@@ -27,7 +27,7 @@
 #include "../error.hpp"
 #include "../reuse/eviction.hpp"
 #include "entry_store.hpp"
-#include "prompt_tokens.hpp"
+#include "../tokens/prompt_tokens.hpp"
 #include "radix_index.hpp"
 
 KVCACHE_BEGIN_NAMESPACE

@@ -23,7 +23,7 @@
 #include <utility>        // std::pair
 #include <vector>         // labels
 
-#include "prompt_tokens.hpp"
+#include "../tokens/prompt_tokens.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 

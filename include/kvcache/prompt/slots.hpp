@@ -32,7 +32,7 @@
 #include "../reuse/plan.hpp"
 #include "entry_store.hpp"
 #include "prompt_cache.hpp"
-#include "prompt_tokens.hpp"
+#include "../tokens/prompt_tokens.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 

@@ -18,9 +18,9 @@
 #include <vector>   // moves
 
 #include "../error.hpp"
-#include "../layout/seq_step.hpp"
+#include "../cells/seq_step.hpp"
 #include "../model_shape.hpp"
-#include "../prompt/prompt_tokens.hpp"
+#include "../tokens/prompt_tokens.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace reuse {

@@ -21,38 +21,26 @@
 #include <utility>    // std::pair
 #include <vector>     // placements, staging
 
-#include "cells/cell_table.hpp"
-#include "concepts.hpp"
-#include "detail/policy_select.hpp"
-#include "element/f32.hpp"
-#include "error.hpp"
-#include "layout/contiguous.hpp"
-#include "model_shape.hpp"
-#include "reuse/none.hpp"
+#include "../cells/cell_table.hpp"
+#include "../concepts.hpp"
+#include "../detail/policy_select.hpp"
+#include "../element/f32.hpp"
+#include "../error.hpp"
+#include "../layout/contiguous.hpp"
+#include "../model_shape.hpp"
+#include "../reuse/none.hpp"
+#include "memory.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 
-/// Where each token of a placed micro-batch went: cells[i] is token i's cell.
-struct placement {
-    std::vector<std::uint32_t> cells;
-};
+template <class Element, class Layout, class Reuse>
+class basic_kv_cache;
 
-/// Outcome of commit() / restore().
-enum class tx_result {
-    committed,       ///< staged placements are now permanent
-    restored,        ///< every staged cell is back to its prior state
-    nothing_staged,  ///< no-op: nothing was placed since the last commit/restore (likely a bug)
-};
-
-/// The KV cache: cell metadata (cells/) + K/V storage (layout policy) + policies.
-///
-/// Policies may be given in any order, each kind at most once:
-///   - element: f32 (default), f16, bf16, or a type satisfying element_policy
-///   - layout:  contiguous<> (default) or a type satisfying layout_policy
-///   - reuse:   reuse::none (default) or a type satisfying reuse_policy
-/// See concepts.hpp for what a custom policy must provide.
+namespace detail {
+/// Turns kv_cache<Policies...> into its one canonical type: checks the policy list (each
+/// a known kind, each kind at most once) and fills in the default of every kind left out.
 template <class... Policies>
-class kv_cache {
+struct compose_cache {
     static_assert((detail::is_known_policy<Policies>() && ...),
                   "kvcache: every policy must declare `using policy_kind = kvcache::element_tag;` "
                   "(or layout_tag / reuse_tag); see kvcache/concepts.hpp");
@@ -62,11 +50,36 @@ class kv_cache {
                   "kvcache: more than one layout policy given to kv_cache");
     static_assert(detail::count_kind<reuse_tag, Policies...>() <= 1,
                   "kvcache: more than one reuse policy given to kv_cache");
+    using type = basic_kv_cache<detail::select_policy_t<element_tag, f32, Policies...>,
+                                detail::select_policy_t<layout_tag, contiguous<>, Policies...>,
+                                detail::select_policy_t<reuse_tag, reuse::none, Policies...>>;
+};
+}  // namespace detail
 
+/// The KV cache a host program instantiates, from policies in any order, each kind at
+/// most once, with a default for each kind left out:
+///   - element: f32 (default), f16, bf16, or a type satisfying element_policy
+///   - layout:  contiguous<> (default) or a type satisfying layout_policy
+///   - reuse:   reuse::none (default) or a type satisfying reuse_policy
+/// Every spelling of the same policies names one type, basic_kv_cache<Element, Layout,
+/// Reuse>: kv_cache<f16, contiguous<>>, kv_cache<contiguous<>, f16> and
+/// kv_cache<f16, contiguous<>, reuse::none> are the same type, and so are kv_cache<> and
+/// kv_cache<f32>. See concepts.hpp for what a custom policy must provide.
+template <class... Policies>
+using kv_cache = typename detail::compose_cache<Policies...>::type;
+
+/// The KV cache with its policies in canonical order (use kv_cache<Policies...> to name
+/// it): cell metadata (cells/) + K/V storage (layout policy) + policies.
+template <class Element, class Layout, class Reuse>
+class basic_kv_cache {
 public:
-    using element = detail::select_policy_t<element_tag, f32, Policies...>;
-    using layout = detail::select_policy_t<layout_tag, contiguous<>, Policies...>;
-    using reuse = detail::select_policy_t<reuse_tag, reuse::none, Policies...>;
+    using memory_concept = memory_tag;  // opts in to kvcache::memory (memory.hpp)
+    using element = Element;
+    using layout = Layout;
+    using reuse = Reuse;
+    using placement_type = placement;
+    /// Whether positions may move (seq_add / seq_div): the layout's can_shift.
+    static constexpr bool can_shift = Layout::can_shift;
 
     static_assert(element_policy<element>,
                   "kvcache: the element policy does not satisfy kvcache::element_policy (see kvcache/concepts.hpp)");
@@ -83,20 +96,24 @@ public:
 
     /// Builds a cache for `shape`; throws kvcache::error(invalid_config) naming a bad parameter.
     /// Allocates every buffer once, zero-initialised (F2).
-    explicit kv_cache(const model_shape& shape)
+    explicit basic_kv_cache(const model_shape& shape)
         : shape_(validated(shape)), cells_(shape.n_cells, shape.n_seq_max), storage_(shape) {
         // Layout hook: storage with block/region bookkeeping follows every cell change.
         if constexpr (requires { storage_.observer(); }) cells_.set_observer(storage_.observer());
     }
 
-    kv_cache(const kv_cache&) = delete;
-    kv_cache& operator=(const kv_cache&) = delete;
-    kv_cache(kv_cache&&) noexcept = default;
-    kv_cache& operator=(kv_cache&&) noexcept = default;
+    basic_kv_cache(const basic_kv_cache&) = delete;
+    basic_kv_cache& operator=(const basic_kv_cache&) = delete;
+    basic_kv_cache(basic_kv_cache&&) noexcept = default;
+    basic_kv_cache& operator=(basic_kv_cache&&) noexcept = default;
 
     // ------------------------------------------------------------------ queries
 
     [[nodiscard]] const model_shape& shape() const noexcept { return shape_; }
+    /// Sequences the cache tracks: ids [0, n_seq_max).
+    [[nodiscard]] std::uint32_t n_seq_max() const noexcept { return shape_.n_seq_max; }
+    /// Layers with K/V.
+    [[nodiscard]] std::uint32_t n_layer() const noexcept { return shape_.n_layer; }
     /// Capacity in cells.
     [[nodiscard]] std::uint32_t capacity() const noexcept { return cells_.size(); }
     /// Occupied cells.
@@ -514,37 +531,6 @@ private:
     std::uint32_t head_before_tx_ = 0;  // head_ when the first staged placement was made
 };
 
-/// RAII transaction guard (F4): restores every placement made through the cache
-/// since construction unless commit() was called.
-///
-///     kvcache::transaction tx(cache);
-///     auto p = cache.place(pos, seq).value();   // throws on failure: tx restores
-///     ... write K/V, run attention ...
-///     tx.commit();
-template <class Cache>
-class transaction {
-public:
-    explicit transaction(Cache& cache) : cache_(&cache) {}
-    transaction(const transaction&) = delete;
-    transaction& operator=(const transaction&) = delete;
-    ~transaction() {
-        if (cache_ != nullptr) static_cast<void>(cache_->restore());
-    }
-    /// Commits the staged placements; the guard then does nothing.
-    tx_result commit() noexcept {
-        tx_result r = cache_ != nullptr ? cache_->commit() : tx_result::nothing_staged;
-        cache_ = nullptr;
-        return r;
-    }
-    /// Restores now; the guard then does nothing.
-    tx_result restore() {
-        tx_result r = cache_ != nullptr ? cache_->restore() : tx_result::nothing_staged;
-        cache_ = nullptr;
-        return r;
-    }
-
-private:
-    Cache* cache_;
-};
+static_assert(memory<kv_cache<>> && kv_memory<kv_cache<>>, "kvcache: kv_cache must satisfy kvcache::kv_memory");
 
 KVCACHE_END_NAMESPACE

@@ -16,8 +16,9 @@
 // no free cell for a split, positions past 2^31-1), and finally on the ring, which
 // then cannot refuse: a refusal leaves both caches unchanged.
 //
-// seq_add / seq_div record a pending K-shift in both caches: apply_k_shift() rotates
-// the cached K of every layer of both.
+// seq_add / seq_div record a pending K-shift in both caches: ops::apply_k_shift(iswa)
+// rotates the cached K of every layer of both. iswa_cache is a kvcache::composite_memory:
+// ops and io reach its two caches through for_each_part.
 #pragma once
 
 #include <cstdint>  // fixed-width integers
@@ -28,9 +29,9 @@
 #include <vector>   // layer map
 
 #include "../error.hpp"
-#include "../kv_cache.hpp"
+#include "kv_cache.hpp"
 #include "../ops/kshift.hpp"
-#include "ring.hpp"
+#include "../layout/ring.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 
@@ -60,10 +61,14 @@ struct iswa_placement {
 template <std::uint32_t Window, class... Policies>
 class iswa_cache {
 public:
+    using memory_concept = memory_tag;  // opts in to kvcache::memory (memory.hpp)
+    using placement_type = iswa_placement;
     using full_cache = kv_cache<Policies...>;
     using element = typename full_cache::element;
     using swa_cache = kv_cache<element, ring<Window>>;
     static constexpr std::uint32_t window = Window;
+    /// Positions may move when both caches' layouts allow it.
+    static constexpr bool can_shift = full_cache::can_shift && swa_cache::can_shift;
 
     /// Throws kvcache::error(invalid_config) naming a bad parameter.
     explicit iswa_cache(const iswa_shape& s)
@@ -74,6 +79,20 @@ public:
     /// The sliding-window cache (attention over SWA layers with window = Window).
     [[nodiscard]] const swa_cache& swa() const noexcept { return swa_; }
     [[nodiscard]] std::uint32_t n_layer() const noexcept { return n_layer_; }
+    [[nodiscard]] std::uint32_t n_seq_max() const noexcept { return full_.n_seq_max(); }
+    /// Calls f(full()) then f(swa()) (kvcache::composite_memory).
+    template <class F>
+    void for_each_part(F&& f) const {
+        f(full_);
+        f(swa_);
+    }
+    /// Mutable parts, for library operations (ops::apply_k_shift, io) that keep both
+    /// caches consistent themselves. Not for host code.
+    template <class F>
+    void for_each_part(detail::internal_access, F&& f) {
+        f(full_);
+        f(swa_);
+    }
     /// Whether model layer l is a sliding-window layer.
     [[nodiscard]] bool is_swa(std::uint32_t l) const { return map_.at(check_layer("is_swa", l)).first; }
     /// Index of model layer l inside the cache of its type.
@@ -177,11 +196,6 @@ public:
     }
     /// Whether either cache has a pending K-shift.
     [[nodiscard]] bool has_shift() const noexcept { return full_.has_shift() || swa_.has_shift(); }
-    /// Applies the pending K-shifts of both caches (ops::apply_k_shift on each).
-    void apply_k_shift(int n_threads = 0, ops::kernel_path path = ops::kernel_path::simd) {
-        ops::apply_k_shift(full_, n_threads, path);
-        ops::apply_k_shift(swa_, n_threads, path);
-    }
     void clear() {
         full_.clear();
         swa_.clear();
@@ -263,5 +277,7 @@ private:
     swa_cache swa_;
     std::uint32_t n_layer_;
 };
+
+static_assert(composite_memory<iswa_cache<64>>, "kvcache: iswa_cache must satisfy kvcache::composite_memory");
 
 KVCACHE_END_NAMESPACE
