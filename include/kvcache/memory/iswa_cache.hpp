@@ -30,7 +30,6 @@
 
 #include "../error.hpp"
 #include "kv_cache.hpp"
-#include "../ops/kshift.hpp"
 #include "../layout/ring.hpp"
 
 KVCACHE_BEGIN_NAMESPACE

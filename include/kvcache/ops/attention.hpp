@@ -12,6 +12,7 @@
 #include <utility>   // std::pair
 #include <vector>   // workspace buffers
 
+#include "../cells/cell_table.hpp"
 #include "../config.hpp"
 #include "../error.hpp"
 #include "../kernels/attention.hpp"
