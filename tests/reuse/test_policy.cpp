@@ -112,6 +112,7 @@ TEST_CASE("reuse_policy: built-ins conform; missing or wrong members are rejecte
     static_assert(kvcache::reuse_policy<alternate>);
     static_assert(!kvcache::reuse_has_plan<no_plan> && !kvcache::reuse_policy<no_plan>);
     static_assert(!kvcache::reuse_has_eviction<global_without_eviction>);
+    static_assert(!kvcache::reuse_policy<global_without_eviction>);
     static_assert(!kvcache::reuse_policy<plan_returns_int>);
     static_assert(kvcache::eviction_policy<reuse::evict_priority>);
     static_assert(kvcache::reuse_fits_layout<reuse::chunk_shift<4>, kvcache::contiguous<>>);
@@ -254,9 +255,10 @@ TEST_CASE("plans that claim more than the tokens allow are refused before anythi
         {"wrong n_request", lying([](reuse::plan& p) { p = mk(10, 10, 23); })},
         {"everything kept (no logits)", lying([](reuse::plan& p) { p = mk(24, 24, 24); })},
     };
-    for (const auto& [what, f] : cases) {
+    for (const auto& c : cases) {
+        const char* what = c.first;
         CAPTURE(what);
-        pol.f = f;
+        pol.f = c.second;
         const auto before = kvtest::snapshot(cache);
         const prompt_tokens held = slots.tokens(0);
         try {
