@@ -15,6 +15,7 @@
 #include <cstdint>      // std::uint32_t
 #include <string_view>  // policy names
 #include <type_traits>  // std::is_trivially_copyable_v
+#include <utility>      // std::pair (eviction_rank)
 
 #include "config.hpp"
 
@@ -131,12 +132,58 @@ template <class L, class Element>
 concept layout_policy_for = layout_policy<L> && element_policy<Element> && layout_has_storage_for<L, Element>;
 
 // ---------------------------------------------------------------------------
-// Reuse policy.
+// Eviction policy (of a global prompt cache, reuse/eviction.hpp).
+//
+// Required members of an eviction policy E:
+//   1. static constexpr std::string_view name;            e.g. "lru"
+//   2. static eviction_rank rank(const entry_stats&) noexcept;   smaller = evicted sooner
+
+struct entry_stats;  // reuse/eviction.hpp
+
+/// Eviction rank: entries are evicted in increasing (first, second) order.
+using eviction_rank = std::pair<std::uint64_t, std::uint64_t>;
+
+template <class E>
+concept eviction_has_rank = requires(const entry_stats& s) {
+    { E::rank(s) } noexcept -> std::same_as<eviction_rank>;
+};
+
+template <class E>
+concept eviction_policy = has_policy_name<E> && eviction_has_rank<E>;
+
+// ---------------------------------------------------------------------------
+// Reuse policy: what a new request keeps of the tokens a sequence holds. The slot
+// manager (prompt/slots.hpp) asks the policy for a plan and executes exactly that
+// plan (reuse::apply_plan) after checking it (reuse::check_plan): nothing else
+// decides what is reused.
 //
 // Required members:
 //   1. using policy_kind = kvcache::reuse_tag;
 //   2. static constexpr std::string_view name;            e.g. "none", "lcp"
-//   3. static constexpr bool needs_shift;                 true if plans move cells (seq_add)
+//   3. static constexpr bool needs_shift;                 true: plans may move cells (seq_add,
+//                                                         reuse::plan::moves). A policy with
+//                                                         needs_shift = true on a layout with
+//                                                         can_shift = false does not compile; a
+//                                                         plan with moves from a policy with
+//                                                         needs_shift = false is refused.
+//   4. static constexpr bool global_cache;                true: released slot states go to a
+//                                                         global prompt cache (reuse::global)
+//   5. using eviction = ...;                              only if global_cache: the global
+//                                                         cache's eviction_policy
+//   6. reuse::plan plan(const prompt_tokens& cached,      the plan (static or not; the slot
+//                       const prompt_tokens& request,     manager owns one default-constructed
+//                       const reuse::plan_options&);      policy object, so it may keep state)
+//      The plan's inputs are those of reuse::make_plan: the sequence's tokens, the request
+//      and what the cache allows (opt.can_shift false: no moves; opt.need_logits: leave at
+//      least one position to compute). Built-in plans are reuse::make_plan calls.
+//
+// Minimal conforming type: see examples/custom_reuse.cpp.
+
+class prompt_tokens;  // tokens/prompt_tokens.hpp
+namespace reuse {
+struct plan;          // reuse/plan.hpp
+struct plan_options;  // reuse/plan.hpp
+}  // namespace reuse
 
 template <class R>
 concept reuse_has_needs_shift = requires {
@@ -144,6 +191,28 @@ concept reuse_has_needs_shift = requires {
 };
 
 template <class R>
-concept reuse_policy = policy_of_kind<R, reuse_tag> && has_policy_name<R> && reuse_has_needs_shift<R>;
+concept reuse_has_global_cache = requires {
+    { R::global_cache } -> std::convertible_to<bool>;
+};
+
+template <class R>
+concept reuse_has_eviction = reuse_has_global_cache<R> &&
+    (!static_cast<bool>(R::global_cache) || (requires { typename R::eviction; } && eviction_policy<typename R::eviction>));
+
+template <class R>
+concept reuse_has_plan = std::default_initializable<R> &&
+    requires(R& r, const prompt_tokens& tokens, const reuse::plan_options& opt) {
+        { r.plan(tokens, tokens, opt) } -> std::same_as<reuse::plan>;
+    };
+
+template <class R>
+concept reuse_policy = policy_of_kind<R, reuse_tag> && has_policy_name<R> && reuse_has_needs_shift<R> &&
+                       reuse_has_global_cache<R> && reuse_has_eviction<R> && reuse_has_plan<R>;
+
+/// Whether reuse policy R's plans can run on layout L: a policy whose plans move cells
+/// (needs_shift) needs a layout that can move positions (can_shift).
+template <class R, class L>
+concept reuse_fits_layout = reuse_policy<R> && layout_policy<L> &&
+                            (!static_cast<bool>(R::needs_shift) || static_cast<bool>(L::can_shift));
 
 KVCACHE_END_NAMESPACE

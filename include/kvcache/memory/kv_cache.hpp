@@ -90,6 +90,9 @@ public:
                   "(see kvcache/concepts.hpp)");
     static_assert(reuse_policy<reuse>,
                   "kvcache: the reuse policy does not satisfy kvcache::reuse_policy (see kvcache/concepts.hpp)");
+    static_assert(!(reuse_policy<reuse> && layout_policy<layout>) || reuse_fits_layout<reuse, layout>,
+                  "kvcache: the reuse policy's plans move cells (needs_shift = true) but the layout cannot move "
+                  "positions (can_shift = false); use a reuse policy with needs_shift = false (reuse::lcp)");
 
     using storage_type = typename element::storage_type;
     using storage_t = typename layout::template storage<element>;

@@ -10,8 +10,10 @@
 //   slots.append(p.slot, token);
 //   slots.release(p.slot);                             // idle; saved to the global cache
 //
-// What is reused is decided by the cache's reuse policy (Cache::reuse):
-// reuse::none (nothing), reuse::lcp, reuse::chunk_shift<N>, reuse::global<Base, Eviction>.
+// What is reused is decided by the cache's reuse policy (Cache::reuse, concept
+// kvcache::reuse_policy): reuse::none (nothing), reuse::lcp, reuse::chunk_shift<N>,
+// reuse::global<Base, Eviction> or a custom one. prepare() asks the policy for a plan,
+// checks it (reuse::check_plan) and executes exactly that plan (reuse::apply_plan).
 #pragma once
 
 #include <algorithm>    // std::max
@@ -26,9 +28,8 @@
 
 #include "../error.hpp"
 #include "../ops/kshift.hpp"
-#include "../reuse/chunk_shift.hpp"
+#include "../concepts.hpp"
 #include "../reuse/global.hpp"
-#include "../reuse/lcp.hpp"
 #include "../reuse/plan.hpp"
 #include "entry_store.hpp"
 #include "prompt_cache.hpp"
@@ -83,10 +84,13 @@ struct prepared_request {
 template <class Cache, class Store = copy_store<Cache>>
 class slot_manager {
     using policy = typename Cache::reuse;
-    using traits = reuse::reuse_traits<policy>;
+    static_assert(reuse_policy<policy>,
+                  "kvcache: the cache's reuse policy does not satisfy kvcache::reuse_policy (see kvcache/concepts.hpp)");
+    static constexpr bool uses_global = policy::global_cache;
     using eviction = typename reuse::eviction_of<policy>::type;
 
 public:
+    using reuse_policy_type = policy;
     using cache_type = prompt_cache<Cache, Store, eviction>;
     using checkpoint = typename cache_type::checkpoint;
 
@@ -102,7 +106,7 @@ public:
             detail::fail(errc::invalid_argument,
                          "slot_manager: similarity = " + std::to_string(opt.similarity) + ", must be in [0, 1]");
         slots_.resize(opt.n_slots);
-        if constexpr (traits::global_cache)
+        if constexpr (uses_global)
             global_.emplace(opt.cache_limits, std::move(store));
         else
             own_store_ = std::move(store);
@@ -117,26 +121,34 @@ public:
     [[nodiscard]] bool busy(int slot) const { return slots_[check_slot("busy", slot)].busy; }
     [[nodiscard]] std::size_t n_checkpoints(int slot) const { return slots_[check_slot("n_checkpoints", slot)].checkpoints.size(); }
     /// Whether the reuse policy keeps a global prompt cache.
-    static constexpr bool has_global_cache = traits::global_cache;
+    static constexpr bool has_global_cache = uses_global;
+    /// The reuse policy object whose plan() decides what prepare() reuses (default constructed).
+    [[nodiscard]] policy& reuse_policy_object() noexcept { return policy_; }
+    [[nodiscard]] const policy& reuse_policy_object() const noexcept { return policy_; }
     /// The global prompt cache (reuse::global only).
-    [[nodiscard]] cache_type& global_cache() requires traits::global_cache { return *global_; }
+    [[nodiscard]] cache_type& global_cache() requires uses_global { return *global_; }
     /// Cumulative prefix-cache counters (zero without a global cache).
     [[nodiscard]] prefix_cache_metrics metrics() const {
-        if constexpr (traits::global_cache) return global_->metrics();
+        if constexpr (uses_global) return global_->metrics();
         else return {};
     }
 
     /// Picks a slot for `request` and makes its sequence hold the longest reusable prefix:
     /// global cache entry or slot state (F21), LCP (F19), chunk shift (F20), SWA checkpoint
     /// (F23). The host then computes request positions [n_past, n_request) into sequence
-    /// `seq` and calls commit_prompt(slot). Throws kvcache::error: invalid_argument (empty
-    /// request, bad or busy slot_id), no_space (every slot busy), transaction_open.
+    /// `seq` and calls commit_prompt(slot). What is kept is the reuse policy's plan, executed
+    /// as planned (with n_swa > 0 it may be cut back to an SWA checkpoint, F23); requests with
+    /// cache_prompt = false do not ask the policy and keep nothing. Throws kvcache::error:
+    /// invalid_argument (empty request, bad or busy slot_id, or a plan that check_plan refuses:
+    /// it claims more than the tokens allow, or moves cells while the policy's needs_shift is
+    /// false; thrown before the cache or the slots change), no_space (every slot busy),
+    /// transaction_open.
     prepared_request prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
         if (request.empty()) detail::fail(errc::invalid_argument, "slot_manager::prepare: the request has no tokens");
         if (cache_->in_transaction())
             detail::fail(errc::transaction_open, "slot_manager::prepare: placements are staged; commit() or restore() first");
-        const bool reuse_on = traits::enabled && ro.cache_prompt;
+        const bool reuse_on = ro.cache_prompt;
         const int id = pick_slot(request, ro, reuse_on);
         slot& s = slots_[static_cast<std::size_t>(id)];
         const seq_id_t seq = opt_.first_seq + id;
@@ -146,30 +158,48 @@ public:
         out.n_request = static_cast<std::uint32_t>(request.size());
         out.metrics.n_request = out.n_request;
 
+        // The state the request starts from: the slot's own (never another tenant's) or the
+        // global cache entry selected for it (F21). The policy plans against its tokens and
+        // the plan is checked before anything changes.
+        const prompt_tokens no_tokens;
+        const prompt_tokens* from = s.salt == ro.salt ? &s.tokens : &no_tokens;
+        [[maybe_unused]] std::optional<typename cache_type::entry_id> pick;
+        if constexpr (uses_global) {
+            if (reuse_on)
+                if (auto sel = global_->find(request, ro.salt, from->common_prefix(request), from->size())) {
+                    pick = sel->id;
+                    from = global_->tokens_of(sel->id);
+                }
+        }
+        reuse::plan_options po;
+        po.cache_prompt = reuse_on;
+        po.can_shift = Cache::layout::can_shift && opt_.n_swa == 0;  // F23: no moves under a window
+        reuse::plan plan;
+        plan.n_request = out.n_request;
+        if (reuse_on) {
+            plan = policy_.plan(*from, request, po);
+            reuse::check_plan(*from, request, plan, po, policy::needs_shift,
+                              "slot_manager::prepare (reuse policy " + std::string(policy::name) + ")");
+        }
+
         if (s.salt != ro.salt) drop_state(s, seq);  // tenant isolation: never reuse another tenant's state
         s.salt = ro.salt;
         bool from_global = false;
-        if constexpr (traits::global_cache) {
-            if (reuse_on) {
-                const std::size_t slot_lcp = s.tokens.common_prefix(request);
-                if (auto sel = global_->find(request, ro.salt, slot_lcp, s.tokens.size())) {
-                    drop_state(s, seq);
-                    auto got = global_->load(*cache_, seq, sel->id);
-                    if (got) {
-                        s.tokens = std::move(got.value().tokens);
-                        s.checkpoints = std::move(got.value().checkpoints);
-                        s.hits = got.value().hits;
-                        from_global = true;
-                    }
+        if constexpr (uses_global) {
+            if (pick) {
+                drop_state(s, seq);
+                auto got = global_->load(*cache_, seq, *pick);
+                if (got) {
+                    s.tokens = std::move(got.value().tokens);
+                    s.checkpoints = std::move(got.value().checkpoints);
+                    s.hits = got.value().hits;
+                    from_global = true;
+                } else {
+                    plan = reuse::plan{};  // the slot's state was dropped: recompute everything
+                    plan.n_request = out.n_request;
                 }
             }
         }
-
-        reuse::plan_options po;
-        po.cache_prompt = reuse_on;
-        po.min_chunk = opt_.n_swa > 0 ? 0 : traits::min_chunk;
-        po.can_shift = Cache::layout::can_shift;
-        reuse::plan plan = reuse::make_plan(s.tokens, request, po);
         if (opt_.n_swa > 0 && plan.n_past > 0) plan = swa_adjust(s, seq, request, plan, out.metrics);
         reuse::apply_plan(*cache_, seq, plan);
         if constexpr (Cache::layout::can_shift)
@@ -181,7 +211,7 @@ public:
             store().release(*cache_, ck.state);
             return true;
         });
-        if constexpr (traits::global_cache) make_room(plan.n_compute());
+        if constexpr (uses_global) make_room(plan.n_compute());
 
         const std::uint32_t kept = plan.n_past - plan.n_shifted();
         (from_global ? out.metrics.from_global : out.metrics.from_slot) = kept;
@@ -262,7 +292,7 @@ public:
         s.busy = false;
         s.has_pending = false;
         s.pending.clear();
-        if constexpr (traits::global_cache) {
+        if constexpr (uses_global) {
             if (s.opts.cache_prompt && !s.tokens.empty()) {
                 std::vector<checkpoint> cks;
                 if constexpr (std::is_copy_constructible_v<typename Store::handle> && copyable_handles)
@@ -302,7 +332,7 @@ private:
     };
 
     Store& store() {
-        if constexpr (traits::global_cache) return global_->store();
+        if constexpr (uses_global) return global_->store();
         else return own_store_;
     }
 
@@ -387,9 +417,10 @@ private:
 
     Cache* cache_;
     slot_options opt_;
+    [[no_unique_address]] policy policy_{};
     std::vector<slot> slots_;
     std::optional<cache_type> global_;  // engaged exactly with reuse::global
-    [[no_unique_address]] std::conditional_t<traits::global_cache, std::monostate, Store> own_store_{};
+    [[no_unique_address]] std::conditional_t<uses_global, std::monostate, Store> own_store_{};
     std::uint64_t clock_ = 0;
     request_metrics last_;
 };

@@ -3,17 +3,13 @@
 // An eviction policy ranks entries; the entry with the smallest rank is evicted
 // first. Pinned entries are never ranked (never evicted).
 //
-// Required members of an eviction policy E:
-//   1. static constexpr std::string_view name;
-//   2. static eviction_rank rank(const entry_stats&) noexcept;   smaller = evicted sooner
+// The eviction_policy concept (its required members) is in kvcache/concepts.hpp.
 #pragma once
 
-#include <concepts>     // std::same_as
 #include <cstdint>      // fixed-width integers
 #include <string_view>  // name
-#include <utility>      // std::pair
 
-#include "../config.hpp"
+#include "../concepts.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 
@@ -22,15 +18,6 @@ struct entry_stats {
     std::uint64_t last_use = 0;  ///< logical clock of the last insert or hit (larger = more recent)
     std::uint64_t hits = 0;      ///< lookups that selected this entry
     std::int32_t priority = 0;   ///< host-given priority (larger = kept longer)
-};
-
-/// Eviction rank: entries are evicted in increasing (first, second) order.
-using eviction_rank = std::pair<std::uint64_t, std::uint64_t>;
-
-template <class E>
-concept eviction_policy = requires(const entry_stats& s) {
-    { E::name } -> std::convertible_to<std::string_view>;
-    { E::rank(s) } noexcept -> std::same_as<eviction_rank>;
 };
 
 namespace reuse {

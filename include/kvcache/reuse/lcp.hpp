@@ -6,6 +6,7 @@
 #include <string_view>  // name
 
 #include "../concepts.hpp"
+#include "../tokens/prompt_tokens.hpp"
 #include "plan.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -17,10 +18,15 @@ struct lcp {
     using policy_kind = reuse_tag;
     static constexpr std::string_view name = "lcp";
     static constexpr bool needs_shift = false;
-    /// Chunk reuse threshold (0: no chunk shifting).
-    static constexpr std::uint32_t min_chunk = 0;
     /// Whether released slot states go to a global prompt cache (F21).
     static constexpr bool global_cache = false;
+
+    /// make_plan without chunk shifting (opt.min_chunk is ignored).
+    static reuse::plan plan(const prompt_tokens& cached, const prompt_tokens& request, const plan_options& opt) {
+        plan_options o = opt;
+        o.min_chunk = 0;
+        return make_plan(cached, request, o);
+    }
 };
 
 }  // namespace reuse

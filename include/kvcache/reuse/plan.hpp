@@ -6,15 +6,18 @@
 //   request: [A B C D | E F G H ... | z z z]
 //             n_lcp     moved chunk    computed
 //
-// make_plan() is a pure function of the two token lists; apply_plan() performs
-// it on one sequence of a kv_cache with seq_rm / seq_add, after checking that it
-// can succeed, so that a refused plan leaves the cache untouched.
+// make_plan() is a pure function of the two token lists; a reuse policy's plan()
+// (concepts.hpp) is made of it. check_plan() verifies that a plan claims only what
+// the token lists allow; apply_plan() performs it on one sequence of a kv_cache
+// with seq_rm / seq_add, after checking that it can succeed, so that a refused
+// plan leaves the cache untouched.
 #pragma once
 
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
 #include <span>     // steps for the layout hook
 #include <string>   // messages
+#include <string_view>  // check_plan caller name
 #include <vector>   // moves
 
 #include "../error.hpp"
@@ -50,6 +53,8 @@ struct plan {
     }
     /// Tokens the host must compute: request positions [n_past, n_request).
     [[nodiscard]] std::uint32_t n_compute() const noexcept { return n_request - n_past; }
+
+    friend bool operator==(const plan&, const plan&) = default;
 };
 
 /// Inputs of make_plan besides the two token lists.
@@ -57,8 +62,11 @@ struct plan_options {
     /// false: reuse nothing, recompute the whole request (llama-server's cache_prompt = false).
     bool cache_prompt = true;
     /// Minimum run of matching tokens moved by chunk shifting (n_cache_reuse); 0 disables it.
+    /// A reuse policy's plan() sets it from its own parameter (lcp: 0, chunk_shift<N>: N)
+    /// whatever its caller passed.
     std::uint32_t min_chunk = 0;
-    /// Whether the cache can move positions (layout::can_shift); false disables chunk shifting.
+    /// Whether plans may move positions (layout::can_shift, and no sliding window in the
+    /// slot manager); false disables chunk shifting.
     bool can_shift = true;
     /// Keep at least the last request token to compute, so the host gets logits (F24):
     /// an exact repeat recomputes its last token instead of nothing.
@@ -107,6 +115,67 @@ struct plan_options {
         p.n_past = std::min(p.n_past, keep);
     }
     return p;
+}
+
+/// Checks that plan p only claims what `request` can reuse of `cached`, as the slot manager
+/// does before executing a reuse policy's plan. Throws kvcache::error(invalid_argument),
+/// the message starting with `who` and naming the first violation, unless:
+///   - p.n_request == request.size(); nothing is kept when !opt.cache_prompt;
+///   - n_lcp <= the common prefix of cached and request, not inside a media chunk;
+///   - moves only if may_move (the policy's needs_shift) and opt.can_shift, no media in
+///     either list; move i starts where the previous one ended (the first at n_lcp), each
+///     n >= 1, dst <= src, sources increasing without overlap and inside `cached`, and
+///     cached[src, src + n) == request[dst, dst + n);
+///   - n_past == n_lcp + every move's n, n_past <= n_request, n_past < n_request when
+///     opt.need_logits, and n_past not inside a media chunk of the request.
+inline void check_plan(const prompt_tokens& cached, const prompt_tokens& request, const plan& p,
+                       const plan_options& opt, bool may_move, std::string_view who) {
+    using std::to_string;
+    const auto bad = [&](const std::string& what) {
+        detail::fail(errc::invalid_argument, std::string(who) + ": refused reuse plan: " + what);
+    };
+    if (p.n_request != request.size())
+        bad("n_request = " + to_string(p.n_request) + ", the request has " + to_string(request.size()) + " positions");
+    if (!opt.cache_prompt && (p.n_lcp != 0 || !p.moves.empty()))
+        bad("cache_prompt is false but the plan keeps " + to_string(p.n_lcp) + " positions and " +
+            to_string(p.moves.size()) + " moves");
+    const std::size_t lcp = cached.common_prefix(request);
+    if (p.n_lcp > lcp)
+        bad("n_lcp = " + to_string(p.n_lcp) + " but cached and request share only " + to_string(lcp) + " positions");
+    if (request.cuts_chunk(p.n_lcp)) bad("n_lcp = " + to_string(p.n_lcp) + " ends inside a media chunk");
+    if (!p.moves.empty()) {
+        if (!may_move) bad("the plan moves chunks but the reuse policy declares needs_shift = false");
+        if (!opt.can_shift) bad("the plan moves chunks but plan_options::can_shift is false");
+        if (cached.has_media() || request.has_media()) bad("the plan moves chunks but the tokens hold media");
+    }
+    std::uint64_t at = p.n_lcp;     // next request position a move must fill
+    std::uint64_t src_end = p.n_lcp;  // first cached position a move may read
+    for (std::size_t i = 0; i < p.moves.size(); ++i) {
+        const chunk_move& m = p.moves[i];
+        const std::string name = "moves[" + to_string(i) + "] = {src " + to_string(m.src) + ", dst " +
+                                 to_string(m.dst) + ", n " + to_string(m.n) + "}";
+        if (m.n == 0) bad(name + ": n must be >= 1");
+        if (m.dst < 0 || static_cast<std::uint64_t>(m.dst) != at)
+            bad(name + ": dst must be " + to_string(at) + " (where the previous chunk ends)");
+        if (m.src < m.dst || static_cast<std::uint64_t>(m.src) < src_end)
+            bad(name + ": src must be >= dst and >= " + to_string(src_end) + " (sources increase without overlap)");
+        if (std::uint64_t{static_cast<std::uint32_t>(m.src)} + m.n > cached.size() || at + m.n > request.size())
+            bad(name + ": past the end of the cached (" + to_string(cached.size()) + ") or request (" +
+                to_string(request.size()) + ") tokens");
+        for (std::uint32_t k = 0; k < m.n; ++k)
+            if (cached[static_cast<std::size_t>(m.src) + k] != request[static_cast<std::size_t>(at) + k])
+                bad(name + ": cached position " + to_string(m.src + static_cast<pos_t>(k)) +
+                    " does not hold request position " + to_string(at + k));
+        at += m.n;
+        src_end = static_cast<std::uint64_t>(m.src) + m.n;
+    }
+    if (p.n_past != at)
+        bad("n_past = " + to_string(p.n_past) + ", must be n_lcp + every move's n = " + to_string(at));
+    if (p.n_past > request.size())
+        bad("n_past = " + to_string(p.n_past) + " exceeds the request's " + to_string(request.size()) + " positions");
+    if (opt.need_logits && !request.empty() && p.n_past == request.size())
+        bad("n_past = n_request = " + to_string(p.n_past) + " but need_logits asks to compute at least one position");
+    if (request.cuts_chunk(p.n_past)) bad("n_past = " + to_string(p.n_past) + " ends inside a media chunk");
 }
 
 /// Number of free cells apply_plan needs: one per cell of a moved range that `seq` shares
