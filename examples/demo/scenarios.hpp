@@ -218,12 +218,14 @@ private:
     demo::splitmix64 rng_;
 };
 
+/// The token lists one after the other.
 inline std::vector<token_t> concat(std::initializer_list<const std::vector<token_t>*> parts) {
     std::vector<token_t> out;
     for (const auto* p : parts) out.insert(out.end(), p->begin(), p->end());
     return out;
 }
 
+/// Milliseconds since t0.
 inline double ms_since(clock_type::time_point t0) {
     return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
 }
@@ -251,8 +253,12 @@ private:
     plain_cache cache_;
 };
 
+/// Max |logits difference| a cached request may show against its cold recomputation.
 inline constexpr double logits_tol = 1e-4;
 
+/// The TTFT scenarios, each on a fresh server_cache through the slots and the global prompt
+/// cache; every request is a row (timing against the scenario's cold round, logits against a
+/// cold recomputation where reuse must be exact).
 class ttft_runner {
 public:
     ttft_runner(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o)
