@@ -7,8 +7,9 @@
 // runs call around the library, and what tests/demo/test_context.cpp tests.
 #pragma once
 
-#include <algorithm>         // std::sort, std::min
+#include <algorithm>         // std::sort, std::min, std::equal
 #include <cctype>            // std::isprint
+#include <cstddef>           // std::size_t, std::ptrdiff_t
 #include <chrono>            // timings
 #include <cmath>             // std::isfinite, std::abs
 #include <cstdint>           // fixed-width integers
