@@ -23,6 +23,7 @@ struct response {
     double ttft_ms = 0;                ///< request arrival to first token (prepare + compute + sample)
     double prepare_ms = 0;             ///< slots.prepare: slot choice, global-cache load, plan, K-shift
     kvcache::request_metrics metrics;  ///< where the prompt's tokens came from
+    kvcache::reuse::plan plan;         ///< the reuse plan slots.prepare applied (kept prefix, moved chunks)
     std::vector<float> logits;         ///< logits after the last prompt token
     std::vector<token_t> generated;    ///< sampled tokens (the first one is the TTFT token)
 };
@@ -74,6 +75,7 @@ public:
             throw;
         }
         slots_.release(p.slot);
+        r.plan = p.plan;
         return r;
     }
 

@@ -1,0 +1,125 @@
+// The demo's report (examples/demo/report.hpp): json_writer's escaping, layout, nulls and
+// misuse, the JSON document of rows and checks, and the reuse column of the table.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../../examples/demo/report.hpp"
+
+using demo::report::json_writer;
+
+TEST_CASE("json_writer: strings are escaped, control characters included") {
+    CHECK(json_writer::quote("plain") == "\"plain\"");
+    CHECK(json_writer::quote("a\"b\\c") == "\"a\\\"b\\\\c\"");
+    CHECK(json_writer::quote("line\nnext\ttab\r\b\f") == "\"line\\nnext\\ttab\\r\\b\\f\"");
+    CHECK(json_writer::quote(std::string("nul\0x\x1f", 6)) == "\"nul\\u0000x\\u001f\"");
+    CHECK(json_writer::quote("caf\xc3\xa9") == "\"caf\xc3\xa9\"");  // UTF-8 passes through
+    std::ostringstream s;
+    json_writer(s).begin_object().member("k\"ey", "v\nal").end_object();
+    CHECK(s.str() == "{\"k\\\"ey\": \"v\\nal\"}");
+}
+
+TEST_CASE("json_writer: numbers, booleans, nulls and layout") {
+    std::ostringstream s;
+    json_writer j(s);
+    j.begin_object(true)
+        .member("i", 3)
+        .member("u", std::uint32_t{7})
+        .member("d", 0.25)
+        .member("nan", std::numeric_limits<double>::quiet_NaN())
+        .member("inf", std::numeric_limits<double>::infinity())
+        .member("none", std::optional<double>())
+        .member("some", std::optional<double>(1.5))
+        .member("t", true)
+        .member("f", false);
+    j.key("list").begin_array().value(1).value("x").null().end_array();
+    j.key("rows").begin_array(true).begin_object().member("a", 1).end_object().begin_object().end_object().end_array();
+    j.key("empty").begin_array(true).end_array();
+    j.end_object();
+    CHECK(j.done());
+    CHECK(s.str() ==
+          "{\n"
+          "  \"i\": 3,\n  \"u\": 7,\n  \"d\": 0.25,\n  \"nan\": null,\n  \"inf\": null,\n  \"none\": null,\n"
+          "  \"some\": 1.5,\n  \"t\": true,\n  \"f\": false,\n"
+          "  \"list\": [1, \"x\", null],\n"
+          "  \"rows\": [\n    {\"a\": 1},\n    {}\n  ],\n"
+          "  \"empty\": [\n  ]\n"
+          "}");
+}
+
+TEST_CASE("json_writer: misuse throws") {
+    std::ostringstream s;
+    {
+        json_writer j(s);
+        j.begin_object();
+        CHECK_THROWS_AS(j.value(1), std::logic_error);  // a member without a key
+        CHECK_THROWS_AS(j.end_array(), std::logic_error);
+        j.key("a");
+        CHECK_THROWS_AS(j.key("b"), std::logic_error);  // two keys in a row
+        CHECK_THROWS_AS(j.end_object(), std::logic_error);  // a key without a value
+        j.value(1).end_object();
+        CHECK(j.done());
+        CHECK_THROWS_AS(j.value(2), std::logic_error);  // a second document
+    }
+    {
+        json_writer j(s);
+        j.begin_array();
+        CHECK_THROWS_AS(j.key("a"), std::logic_error);  // keys belong to objects
+        CHECK_FALSE(j.done());
+        CHECK_THROWS_AS(j.end_object(), std::logic_error);
+    }
+}
+
+TEST_CASE("write_json: the demo's rows and checks, parseable field by field") {
+    demo::report::row cold;
+    cold.scenario = "exact \"repeat\"";
+    cold.round = 1;
+    cold.what = "base (cold)";
+    cold.n_prompt = 1000;
+    cold.m.computed = 1000;
+    cold.ttft_ms = 1042.5;
+    demo::report::row warm = cold;
+    warm.round = 2;
+    warm.m.computed = 1;
+    warm.m.from_slot = 999;
+    warm.ratio = 0.0125;
+    warm.expected_max = 0.02;
+    warm.max_abs_diff = 2e-6;
+    std::vector<demo::report::check_result> checks{{"context shift (F13)", "n_ctx 256\tok", true}};
+    std::ostringstream s;
+    demo::report::write_json(s, {cold, warm}, "2 OpenMP threads", checks);
+    CHECK(s.str() ==
+          "{\n  \"machine\": \"2 OpenMP threads\",\n  \"rows\": [\n"
+          "    {\"scenario\": \"exact \\\"repeat\\\"\", \"round\": 1, \"ttft_ms\": 1042.5, \"ratio\": 1, "
+          "\"expected_max_ratio\": null, \"expected_min_ratio\": null, \"pass\": true, \"request\": \"base (cold)\", "
+          "\"n_prompt\": 1000, \"computed\": 1000, \"from_slot\": 0, \"from_global\": 0, \"from_shift\": 0, "
+          "\"logits_max_abs_diff\": null, \"logits_argmax_match\": true, \"logits_check_ok\": true},\n"
+          "    {\"scenario\": \"exact \\\"repeat\\\"\", \"round\": 2, \"ttft_ms\": 1042.5, \"ratio\": 0.0125, "
+          "\"expected_max_ratio\": 0.02, \"expected_min_ratio\": null, \"pass\": true, \"request\": \"base (cold)\", "
+          "\"n_prompt\": 1000, \"computed\": 1, \"from_slot\": 999, \"from_global\": 0, \"from_shift\": 0, "
+          "\"logits_max_abs_diff\": 2e-06, \"logits_argmax_match\": true, \"logits_check_ok\": true}\n"
+          "  ],\n  \"checks\": [\n"
+          "    {\"name\": \"context shift (F13)\", \"summary\": \"n_ctx 256\\tok\", \"pass\": true}\n"
+          "  ]\n}\n");
+    std::ostringstream empty;
+    demo::report::write_json(empty, {}, "m", {});
+    CHECK(empty.str() == "{\n  \"machine\": \"m\",\n  \"rows\": [\n  ],\n  \"checks\": [\n  ]\n}\n");
+    CHECK_FALSE(demo::report::write_json("/nonexistent-dir/x.json", {}, "m", {}));
+}
+
+TEST_CASE("reuse_summary: where the reused tokens came from") {
+    kvcache::request_metrics m;
+    CHECK(demo::report::reuse_summary(m) == "-");
+    m.from_slot = 100;
+    CHECK(demo::report::reuse_summary(m) == "100 slot");
+    m.from_shift = 600;
+    CHECK(demo::report::reuse_summary(m) == "100 slot 600 shifted");
+    m.from_global = 7;
+    CHECK(demo::report::reuse_summary(m) == "100 slot 7 global 600 shifted");
+}
