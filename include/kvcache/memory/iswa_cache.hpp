@@ -67,6 +67,8 @@ public:
     using element = typename full_cache::element;
     using swa_cache = kv_cache<element, ring<Window>>;
     static constexpr std::uint32_t window = Window;
+    /// Names this composite kind in state files (io/composite.hpp).
+    static constexpr std::uint32_t composite_id = 1;
     /// Positions may move when both caches' layouts allow it.
     static constexpr bool can_shift = full_cache::can_shift && swa_cache::can_shift;
 
