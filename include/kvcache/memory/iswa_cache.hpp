@@ -18,7 +18,10 @@
 //
 // seq_add / seq_div record a pending K-shift in both caches: ops::apply_k_shift(iswa)
 // rotates the cached K of every layer of both. iswa_cache is a kvcache::composite_memory:
-// ops and io reach its two caches through for_each_part.
+// ops and io reach its two caches through for_each_part. Every entry point takes it:
+// ops::attention (per part), ops::apply_k_shift, ops::context_shift, ops::self_extend,
+// ops::memory, io::save_state / load_state / save_seq / load_seq / save_file / load_file
+// (io/composite.hpp: both parts or neither), slot_manager (SWA checkpoints from `window`).
 #pragma once
 
 #include <cstdint>  // fixed-width integers
@@ -31,6 +34,7 @@
 #include "../error.hpp"
 #include "kv_cache.hpp"
 #include "../layout/ring.hpp"
+#include "../reuse/plan.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 
@@ -65,7 +69,12 @@ public:
     using full_cache = kv_cache<Policies...>;
     using element = typename full_cache::element;
     using swa_cache = kv_cache<element, ring<Window>>;
+    /// The reuse policy slots apply (the full cache's; slot_manager takes SWA checkpoints
+    /// from `window` for the ring part).
+    using reuse = typename full_cache::reuse;
     static constexpr std::uint32_t window = Window;
+    /// Names this composite kind in state files (io/composite.hpp).
+    static constexpr std::uint32_t composite_id = 1;
     /// Positions may move when both caches' layouts allow it.
     static constexpr bool can_shift = full_cache::can_shift && swa_cache::can_shift;
 
@@ -101,6 +110,9 @@ public:
     [[nodiscard]] pos_t seq_pos_min(seq_id_t s) const { return full_.seq_pos_min(s); }
     [[nodiscard]] pos_t seq_pos_max(seq_id_t s) const { return full_.seq_pos_max(s); }
     [[nodiscard]] bool in_transaction() const noexcept { return full_.in_transaction(); }
+    /// Smallest position of s the sliding-window part still holds (-1: none): where a
+    /// prefix can be re-entered without a checkpoint (slot_manager, F23).
+    [[nodiscard]] pos_t window_pos_min(seq_id_t s) const { return swa_.seq_pos_min(s); }
     /// Bytes of both caches' buffers.
     [[nodiscard]] std::size_t total_bytes() const noexcept { return full_.total_bytes() + swa_.total_bytes(); }
 
@@ -276,6 +288,48 @@ private:
     swa_cache swa_;
     std::uint32_t n_layer_;
 };
+
+namespace reuse {
+/// reuse::apply_plan on an ISWA cache (F19, F20): everything apply_plan checks on one
+/// cache (free cells to split shared cells, the ring's check_seq_steps over every call)
+/// is checked on both parts before either changes, then the calls run on the ISWA cache,
+/// whose sequence operations change both parts. Throws as apply_plan; the cache is
+/// unchanged when it throws.
+template <std::uint32_t Window, class... Policies>
+void apply_plan(iswa_cache<Window, Policies...>& cache, seq_id_t seq, const plan& p) {
+    using std::to_string;
+    if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.n_seq_max())
+        detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
+                                                 to_string(cache.n_seq_max()) + ")");
+    if (cache.in_transaction())
+        detail::fail(errc::transaction_open, "apply_plan: placements are staged; commit() or restore() first");
+    if (p.n_past > std::uint32_t{0x7fffffff})
+        detail::fail(errc::invalid_argument, "apply_plan: n_past = " + to_string(p.n_past) + ", must be < 2^31");
+    for (std::size_t i = 0; i < p.moves.size(); ++i) {
+        const chunk_move& m = p.moves[i];
+        if (m.dst < 0 || m.dst > m.src || std::int64_t{m.src} + m.n > 0x7fffffff)
+            detail::fail(errc::invalid_argument, "apply_plan: moves[" + to_string(i) + "] = {src " + to_string(m.src) +
+                                                     ", dst " + to_string(m.dst) + ", n " + to_string(m.n) +
+                                                     "}: needs 0 <= dst <= src and src + n < 2^31");
+    }
+    std::vector<seq_step> steps;
+    for_each_step(p, [&](const seq_step& st) { steps.push_back(st); });
+    if (!p.moves.empty()) {
+        if constexpr (!iswa_cache<Window, Policies...>::can_shift)
+            detail::fail(errc::unsupported, "apply_plan: the plan moves chunks but the ISWA cache cannot move positions");
+        cache.for_each_part([&](const auto& part) {
+            const std::uint32_t need = cells_needed(part, seq, p);
+            if (need > part.capacity() - part.used())
+                detail::fail(errc::no_space, "apply_plan: moving chunks needs " + to_string(need) +
+                                                 " free cells to split shared cells, " +
+                                                 to_string(part.capacity() - part.used()) + " free");
+        });
+    }
+    // The ring's rules (pruned positions) for every call, moves or truncation alone.
+    cache.swa().storage().check_seq_steps(cache.swa().cells(), seq, std::span<const seq_step>(steps), "apply_plan");
+    for (const seq_step& st : steps) run_step(cache, seq, st);
+}
+}  // namespace reuse
 
 static_assert(composite_memory<iswa_cache<64>>, "kvcache: iswa_cache must satisfy kvcache::composite_memory");
 

@@ -18,6 +18,7 @@
 #include "../kernels/attention.hpp"
 #include "../kernels/path.hpp"
 #include "../format/kv_view.hpp"
+#include "../memory/memory.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -332,6 +333,8 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
 template <class Cache>
 void attention(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos, const seq_id_t* q_seq,
                std::uint32_t n_q, const attention_params& p, float* out, attention_workspace& ws) {
+    static_assert(kv_memory<Cache>, "kvcache: ops::attention needs a kvcache::kv_memory (one K/V cache; for an "
+                                    "iswa_cache pass full() or swa() per layer, see kvcache/memory/memory.hpp)");
     detail_attn::check(cache, layer, q, q_pos, q_seq, n_q, p, out);
     if (n_q == 0) return;
     if (p.path == kernel_path::scalar) {

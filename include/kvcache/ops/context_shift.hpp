@@ -1,6 +1,8 @@
 // kvcache ops: context shift for endless generation (F13) and Self-Extend grouped
 // attention (F14), built on the sequence operations. Both validate every argument
-// and check that the operations cannot fail half-way before changing anything.
+// and check that the operations cannot fail half-way before changing anything: on a
+// composite memory (iswa_cache) every part is checked first (what the ring would refuse,
+// free cells in each part), so both parts change or neither.
 #pragma once
 
 #include <cstdint>   // fixed-width integers
@@ -12,6 +14,7 @@
 
 #include "../error.hpp"
 #include "../cells/seq_step.hpp"
+#include "../memory/memory.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -47,28 +50,15 @@ std::uint32_t exclusive_cells_in(const Cache& cache, seq_id_t seq, std::int64_t 
 }
 }  // namespace detail_ctx
 
-/// F13: context shift of sequence `seq`, whose next position is n_past = seq_pos_max + 1.
-/// Keeps the first n_keep positions, discards the n_discard after them (default:
-/// (n_past - n_keep) / 2) and moves the rest left by n_discard, recording the K-shift
-/// (apply it with ops::apply_k_shift before the next attention).
-/// Requires 0 <= n_keep <= n_past and 0 < n_discard <= n_past - n_keep; anything else
-/// throws kvcache::error(invalid_argument) naming the value (llama.cpp accepted a negative
-/// n_discard: CVE-2026-21869). Throws errc::no_space if shared cells cannot be split.
-/// The cache is unchanged when it throws.
+namespace detail_ctx {
+/// What a context shift would refuse in one K/V cache (free cells for splits, the
+/// layout hook check_seq_steps), checked before anything changes.
 template <class Cache>
-context_shift_result context_shift(Cache& cache, seq_id_t seq, pos_t n_keep, std::optional<pos_t> n_discard = {}) {
+void check_context_shift(const Cache& cache, seq_id_t seq, pos_t n_keep, pos_t discard) {
     using std::to_string;
-    const pos_t n_past = cache.seq_pos_max(seq) + 1;  // validates seq
-    if (n_keep < 0 || n_keep > n_past)
-        detail::fail(errc::invalid_argument, "context_shift: n_keep = " + to_string(n_keep) + ", must be in [0, n_past = " +
-                                                 to_string(n_past) + "]");
-    const pos_t discard = n_discard.value_or((n_past - n_keep) / 2);
-    if (discard <= 0 || discard > n_past - n_keep)
-        detail::fail(errc::invalid_argument, "context_shift: n_discard = " + to_string(discard) +
-                                                 ", must be in [1, n_past - n_keep = " + to_string(n_past - n_keep) + "]");
     const std::int64_t moved_from = std::int64_t{n_keep} + discard;
-    const std::uint32_t splits = detail_ctx::shared_cells_from(cache, seq, moved_from);
-    const std::uint32_t freed = detail_ctx::exclusive_cells_in(cache, seq, n_keep, moved_from);
+    const std::uint32_t splits = shared_cells_from(cache, seq, moved_from);
+    const std::uint32_t freed = exclusive_cells_in(cache, seq, n_keep, moved_from);
     if (splits > cache.capacity() - cache.used() + freed)
         detail::fail(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) + " free cells, " +
                                          to_string(cache.capacity() - cache.used() + freed) + " available");
@@ -79,6 +69,38 @@ context_shift_result context_shift(Cache& cache, seq_id_t seq, pos_t n_keep, std
                                   {seq_step::op::add, static_cast<pos_t>(moved_from), -1, -discard}};
         cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "context_shift");
     }
+}
+}  // namespace detail_ctx
+
+/// F13: context shift of sequence `seq`, whose next position is n_past = seq_pos_max + 1.
+/// Keeps the first n_keep positions, discards the n_discard after them (default:
+/// (n_past - n_keep) / 2) and moves the rest left by n_discard, recording the K-shift
+/// (apply it with ops::apply_k_shift before the next attention).
+/// Requires 0 <= n_keep <= n_past and 0 < n_discard <= n_past - n_keep; anything else
+/// throws kvcache::error(invalid_argument) naming the value (llama.cpp accepted a negative
+/// n_discard: CVE-2026-21869). Throws errc::no_space if shared cells cannot be split.
+/// The cache is unchanged when it throws.
+template <class Memory>
+context_shift_result context_shift(Memory& cache, seq_id_t seq, pos_t n_keep, std::optional<pos_t> n_discard = {}) {
+    static_assert(kvcache::memory<Memory>, "kvcache: ops::context_shift needs a kvcache::memory (see kvcache/memory/memory.hpp)");
+    static_assert(kv_memory<Memory> || composite_memory<Memory>,
+                  "kvcache: ops::context_shift needs a kvcache::kv_memory or a kvcache::composite_memory of them");
+    using std::to_string;
+    const pos_t n_past = cache.seq_pos_max(seq) + 1;  // validates seq
+    if (n_keep < 0 || n_keep > n_past)
+        detail::fail(errc::invalid_argument, "context_shift: n_keep = " + to_string(n_keep) + ", must be in [0, n_past = " +
+                                                 to_string(n_past) + "]");
+    const pos_t discard = n_discard.value_or((n_past - n_keep) / 2);
+    if (discard <= 0 || discard > n_past - n_keep)
+        detail::fail(errc::invalid_argument, "context_shift: n_discard = " + to_string(discard) +
+                                                 ", must be in [1, n_past - n_keep = " + to_string(n_past - n_keep) + "]");
+    const std::int64_t moved_from = std::int64_t{n_keep} + discard;
+    // Every part is checked before any changes (a composite's seq_rm / seq_add are each
+    // atomic, and these checks make sure neither can refuse in any part).
+    if constexpr (composite_memory<Memory>)
+        cache.for_each_part([&](const auto& part) { detail_ctx::check_context_shift(part, seq, n_keep, discard); });
+    else
+        detail_ctx::check_context_shift(cache, seq, n_keep, discard);
     cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from));
     cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard);
     return {n_keep, discard, n_past - discard};
@@ -123,6 +145,27 @@ std::pair<std::int64_t, std::int64_t> self_extend_steps(const self_extend_state&
 }
 }  // namespace detail_ctx
 
+namespace detail_ctx {
+/// What Self-Extend would refuse in one K/V cache (free cells for splits, the layout hook
+/// check_seq_steps over every call), checked before anything changes.
+template <class Cache>
+void check_self_extend(const Cache& cache, seq_id_t seq, const self_extend_state& st, pos_t n_past) {
+    using std::to_string;
+    // Every cell of seq from ga_i on may move; each shared one is split at most once.
+    const std::uint32_t splits = shared_cells_from(cache, seq, st.ga_i);
+    if (splits > cache.capacity() - cache.used())
+        detail::fail(errc::no_space, "self_extend: moving shared cells needs " + to_string(splits) + " free cells, " +
+                                         to_string(cache.capacity() - cache.used()) + " free");
+    if constexpr (requires(std::span<const seq_step> steps) {
+                      cache.storage().check_seq_steps(cache.cells(), seq, steps, "self_extend");
+                  }) {
+        std::vector<seq_step> steps;  // layout hook (ring: calls that need pruned positions)
+        self_extend_steps(st, n_past, [&](const seq_step& x) { steps.push_back(x); });
+        cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "self_extend");
+    }
+}
+}  // namespace detail_ctx
+
 /// F14: compresses the positions of `seq` beyond the pretrained window as Self-Extend does,
 /// while n_past >= ga_i + ga_w: each round shifts [ga_i, n_past) by ib*bd, divides the next
 /// window [ga_i + ib*bd, ga_i + ib*bd + ga_w) by ga_n, and shifts the rest by dd, with
@@ -133,8 +176,11 @@ std::pair<std::int64_t, std::int64_t> self_extend_steps(const self_extend_state&
 /// when a layout would refuse one of the calls (a ring whose window pruned positions they
 /// need: every call is checked first through the layout hook check_seq_steps); the cache
 /// and st are unchanged when it throws.
-template <class Cache>
-pos_t self_extend(Cache& cache, seq_id_t seq, self_extend_state& st, pos_t n_past) {
+template <class Memory>
+pos_t self_extend(Memory& cache, seq_id_t seq, self_extend_state& st, pos_t n_past) {
+    static_assert(kvcache::memory<Memory>, "kvcache: ops::self_extend needs a kvcache::memory (see kvcache/memory/memory.hpp)");
+    static_assert(kv_memory<Memory> || composite_memory<Memory>,
+                  "kvcache: ops::self_extend needs a kvcache::kv_memory or a kvcache::composite_memory of them");
     using std::to_string;
     static_cast<void>(cache.seq_pos_max(seq));  // validates seq
     if (st.ga_n < 1) detail::fail(errc::invalid_argument, "self_extend: ga_n = " + to_string(st.ga_n) + ", must be >= 1");
@@ -144,24 +190,16 @@ pos_t self_extend(Cache& cache, seq_id_t seq, self_extend_state& st, pos_t n_pas
     if (st.ga_i < 0) detail::fail(errc::invalid_argument, "self_extend: ga_i = " + to_string(st.ga_i) + ", must be >= 0");
     if (n_past < 0) detail::fail(errc::invalid_argument, "self_extend: n_past = " + to_string(n_past) + ", must be >= 0");
     if (st.ga_n == 1) return n_past;  // nothing to group
-    // Every cell of seq from ga_i on may move; each shared one is split at most once.
-    const std::uint32_t splits = detail_ctx::shared_cells_from(cache, seq, st.ga_i);
-    if (splits > cache.capacity() - cache.used())
-        detail::fail(errc::no_space, "self_extend: moving shared cells needs " + to_string(splits) + " free cells, " +
-                                         to_string(cache.capacity() - cache.used()) + " free");
     // Positions may not overflow: the largest intermediate is n_past + ib*bd.
     detail_ctx::self_extend_rounds(st, n_past, [&](std::int64_t, std::int64_t np, std::int64_t up, std::int64_t) {
         if (np + up > INT32_MAX)
             detail::fail(errc::invalid_argument,
                          "self_extend: positions would pass 2^31-1 (n_past = " + to_string(n_past) + ")");
     });
-    if constexpr (requires(std::span<const seq_step> steps) {
-                      cache.storage().check_seq_steps(cache.cells(), seq, steps, "self_extend");
-                  }) {
-        std::vector<seq_step> steps;  // layout hook (ring: calls that need pruned positions)
-        detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) { steps.push_back(x); });
-        cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "self_extend");
-    }
+    if constexpr (composite_memory<Memory>)
+        cache.for_each_part([&](const auto& part) { detail_ctx::check_self_extend(part, seq, st, n_past); });
+    else
+        detail_ctx::check_self_extend(cache, seq, st, n_past);
     const auto [np, gi] = detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) { run_step(cache, seq, x); });
     st.ga_i = static_cast<pos_t>(gi);
     return static_cast<pos_t>(np);

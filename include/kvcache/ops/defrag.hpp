@@ -26,6 +26,7 @@
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../format/kv_view.hpp"
+#include "../memory/memory.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace ops {
@@ -47,6 +48,7 @@ struct defrag_result {
 /// 1 - used / n with n = last used cell + 1; 0 for an empty cache.
 template <class Cache>
 [[nodiscard]] double fragmentation(const Cache& cache) noexcept {
+    static_assert(kv_memory<Cache>, "kvcache: ops::fragmentation needs a kvcache::kv_memory (see kvcache/memory/memory.hpp)");
     if (cache.used() == 0) return 0.0;
     const double n = static_cast<double>(cache.cells().last_used()) + 1.0;
     return 1.0 - static_cast<double>(cache.used()) / n;
@@ -57,6 +59,7 @@ template <class Cache>
 /// (errc::invalid_argument); a refused call changes nothing.
 template <class Cache>
 defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
+    static_assert(kv_memory<Cache>, "kvcache: ops::defrag needs a kvcache::kv_memory (see kvcache/memory/memory.hpp)");
     using storage_t = typename Cache::storage_t;
     static_assert(!requires(storage_t& s) { s.observer(); },
                   "kvcache::ops::defrag: only for layouts without their own placement (contiguous); paged and "

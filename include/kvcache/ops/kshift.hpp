@@ -109,6 +109,8 @@ plan make_plan(const Cache& cache, int n_threads) {
 /// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
 template <class Cache>
 void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
+    static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
+                                    "kvcache::composite_memory (see kvcache/memory/memory.hpp)");
     if (!cache.has_shift()) return;
     using storage_type = typename Cache::storage_type;
     using element = typename Cache::element;

@@ -14,12 +14,14 @@
 //                         full), so held >= used.
 // - waste = held - used: memory lost to the layout's granularity (vLLM's "< 4%"
 //   for paged blocks is this number).
+// A composite memory (iswa_cache) reports the sum of its parts.
 #pragma once
 
 #include <cstddef>  // std::size_t
 #include <cstdint>  // std::uint64_t
 
 #include "../config.hpp"
+#include "../memory/memory.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace ops {
@@ -38,9 +40,10 @@ struct memory_usage {
     }
 };
 
-/// Memory accounting of a cache; layouts report held cells through storage().held_cells().
+namespace detail_mem {
+/// Memory accounting of one K/V cache; layouts report held cells through storage().held_cells().
 template <class Cache>
-[[nodiscard]] memory_usage memory(const Cache& cache) {
+memory_usage part_memory(const Cache& cache) {
     memory_usage m;
     m.reserved_bytes = cache.total_bytes();
     m.used_bytes = std::size_t{cache.used()} * cache.bytes_per_token();
@@ -49,6 +52,29 @@ template <class Cache>
         held = cache.storage().held_cells(cache.cells());
     m.held_bytes = static_cast<std::size_t>(held) * cache.bytes_per_token();
     return m;
+}
+}  // namespace detail_mem
+
+/// Memory accounting of a memory: of its one K/V cache, or the sum over the parts of a
+/// composite memory (iswa_cache: the full cache plus the ring). Layouts report held
+/// cells through storage().held_cells().
+template <class Memory>
+[[nodiscard]] memory_usage memory(const Memory& mem) {
+    static_assert(kvcache::memory<Memory>, "kvcache: ops::memory needs a kvcache::memory (see kvcache/memory/memory.hpp)");
+    static_assert(kv_memory<Memory> || composite_memory<Memory>,
+                  "kvcache: ops::memory needs a kvcache::kv_memory or a kvcache::composite_memory of them");
+    if constexpr (composite_memory<Memory>) {
+        memory_usage sum;
+        mem.for_each_part([&](const auto& part) {
+            const memory_usage m = detail_mem::part_memory(part);
+            sum.reserved_bytes += m.reserved_bytes;
+            sum.used_bytes += m.used_bytes;
+            sum.held_bytes += m.held_bytes;
+        });
+        return sum;
+    } else {
+        return detail_mem::part_memory(mem);
+    }
 }
 
 }  // namespace ops

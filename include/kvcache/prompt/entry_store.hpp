@@ -33,6 +33,7 @@
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../format/kv_view.hpp"
+#include "../memory/memory.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -64,6 +65,9 @@ std::vector<std::uint32_t> seq_cells_by_pos(const Cache& cache, seq_id_t s) {
 /// layers in parallel (OpenMP) for large entries.
 template <class Cache>
 class copy_store {
+    static_assert(kv_memory<Cache>, "kvcache: copy_store<Cache> needs a kvcache::kv_memory (one K/V cache; use "
+                                    "state_store for a composite memory such as iswa_cache)");
+
 public:
     using storage_type = typename Cache::storage_type;
     /// Handles are plain data: copying one copies the saved state.
@@ -190,6 +194,8 @@ public:
 /// Sequence ids [first_seq, first_seq + n_seq) are reserved for entries; the host must not use them.
 template <class Cache>
 class shared_store {
+    static_assert(memory<Cache>, "kvcache: shared_store<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
+
 public:
     /// The entry's sequence id.
     struct handle {

@@ -25,6 +25,7 @@
 #include <vector>         // checkpoints, key scratch
 
 #include "../error.hpp"
+#include "../memory/memory.hpp"
 #include "../reuse/eviction.hpp"
 #include "entry_store.hpp"
 #include "../tokens/prompt_tokens.hpp"
@@ -80,6 +81,7 @@ struct entry_options {
 /// (copy_store, state_store or shared_store), Eviction orders evictions (reuse::evict_lru, ...).
 template <class Cache, class Store = copy_store<Cache>, class Eviction = reuse::evict_lru>
 class prompt_cache {
+    static_assert(memory<Cache>, "kvcache: prompt_cache<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
     static_assert(entry_store<Store, Cache>,
                   "kvcache: Store does not satisfy kvcache::entry_store (see kvcache/prompt/entry_store.hpp)");
     static_assert(eviction_policy<Eviction>,

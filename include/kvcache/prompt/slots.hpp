@@ -31,8 +31,11 @@
 #include "../concepts.hpp"
 #include "../reuse/global.hpp"
 #include "../reuse/plan.hpp"
+#include "../memory/iswa_cache.hpp"
+#include "../memory/memory.hpp"
 #include "entry_store.hpp"
 #include "prompt_cache.hpp"
+#include "state_store.hpp"
 #include "../tokens/prompt_tokens.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -79,10 +82,20 @@ struct prepared_request {
     request_metrics metrics;
 };
 
-/// Slots over one kv_cache, with the reuse policy of Cache and, for reuse::global, a
-/// global prompt cache whose entries are kept by Store (copy_store, state_store or shared_store).
-template <class Cache, class Store = copy_store<Cache>>
+/// The entry store slots use unless told otherwise: copy_store (K/V copied to host memory)
+/// for one K/V cache, state_store (io state bytes, validated on load) for a composite
+/// memory such as iswa_cache.
+template <class Cache>
+using default_entry_store = std::conditional_t<composite_memory<Cache>, state_store<Cache>, copy_store<Cache>>;
+
+/// Slots over one memory (kv_cache, or iswa_cache, whose sliding-window part takes its
+/// SWA checkpoints from iswa_cache::window), with the reuse policy of Cache and, for
+/// reuse::global, a global prompt cache whose entries are kept by Store (copy_store,
+/// state_store or shared_store).
+template <class Cache, class Store = default_entry_store<Cache>>
 class slot_manager {
+    static_assert(memory<Cache>, "kvcache: slot_manager<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
+
     using policy = typename Cache::reuse;
     static_assert(reuse_policy<policy>,
                   "kvcache: the cache's reuse policy does not satisfy kvcache::reuse_policy (see kvcache/concepts.hpp)");
@@ -94,14 +107,21 @@ public:
     using cache_type = prompt_cache<Cache, Store, eviction>;
     using checkpoint = typename cache_type::checkpoint;
 
-    /// Throws kvcache::error(invalid_argument) naming a bad option (slots beyond n_seq_max, ...).
+    /// Throws kvcache::error(invalid_argument) naming a bad option (slots beyond n_seq_max,
+    /// n_swa other than an ISWA cache's window, ...). On an ISWA cache n_swa = 0 means its window.
     slot_manager(Cache& cache, slot_options opt, Store store = Store{}) : cache_(&cache), opt_(opt) {
         using std::to_string;
         if (opt.n_slots == 0) detail::fail(errc::invalid_argument, "slot_manager: n_slots = 0, must be >= 1");
-        if (opt.first_seq < 0 || std::uint64_t(opt.first_seq) + opt.n_slots > cache.shape().n_seq_max)
+        if (opt.first_seq < 0 || std::uint64_t(opt.first_seq) + opt.n_slots > cache.n_seq_max())
             detail::fail(errc::invalid_argument, "slot_manager: sequences [" + to_string(opt.first_seq) + ", " +
                                                      to_string(std::int64_t{opt.first_seq} + opt.n_slots) +
-                                                     ") do not fit n_seq_max = " + to_string(cache.shape().n_seq_max));
+                                                     ") do not fit n_seq_max = " + to_string(cache.n_seq_max()));
+        if constexpr (requires { Cache::window; cache.window_pos_min(seq_id_t{0}); }) {  // ISWA: checkpoints from its window
+            if (opt_.n_swa == 0) opt_.n_swa = Cache::window;
+            if (opt_.n_swa != Cache::window)
+                detail::fail(errc::invalid_argument, "slot_manager: n_swa = " + to_string(opt.n_swa) +
+                                                         ", the ISWA cache's window is " + to_string(Cache::window));
+        }
         if (!(opt.similarity >= 0.0 && opt.similarity <= 1.0))
             detail::fail(errc::invalid_argument,
                          "slot_manager: similarity = " + std::to_string(opt.similarity) + ", must be in [0, 1]");
@@ -173,7 +193,7 @@ public:
         }
         reuse::plan_options po;
         po.cache_prompt = reuse_on;
-        po.can_shift = Cache::layout::can_shift && opt_.n_swa == 0;  // F23: no moves under a window
+        po.can_shift = Cache::can_shift && opt_.n_swa == 0;  // F23: no moves under a window
         reuse::plan plan;
         plan.n_request = out.n_request;
         if (reuse_on) {
@@ -202,7 +222,7 @@ public:
         }
         if (opt_.n_swa > 0 && plan.n_past > 0) plan = swa_adjust(s, seq, request, plan, out.metrics);
         reuse::apply_plan(*cache_, seq, plan);
-        if constexpr (Cache::layout::can_shift)
+        if constexpr (Cache::can_shift)
             if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
         s.tokens = request;
         s.tokens.keep_first(plan.n_past);
@@ -270,7 +290,7 @@ public:
         if (cache_->seq_pos_max(seq) < 0) return;
         auto h = store().save(*cache_, seq);
         if (!h) detail::fail(h.code(), "slot_manager::save_checkpoint: " + h.message());
-        s.checkpoints.push_back({cache_->seq_pos_min(seq), cache_->seq_pos_max(seq), std::move(h).value()});
+        s.checkpoints.push_back({window_pos_min(seq), cache_->seq_pos_max(seq), std::move(h).value()});
         while (s.checkpoints.size() > std::max<std::uint32_t>(1, opt_.max_checkpoints)) {
             store().release(*cache_, s.checkpoints.front().state);
             s.checkpoints.erase(s.checkpoints.begin());
@@ -336,6 +356,15 @@ private:
         else return own_store_;
     }
 
+    /// Smallest position of seq the sliding-window attention still sees: the ISWA cache's
+    /// ring part, else the cache itself.
+    pos_t window_pos_min(seq_id_t seq) const {
+        if constexpr (requires { cache_->window_pos_min(seq); })
+            return cache_->window_pos_min(seq);
+        else
+            return cache_->seq_pos_min(seq);
+    }
+
     std::size_t check_slot(const char* fn, int slot_id) const {
         if (slot_id < 0 || static_cast<std::size_t>(slot_id) >= slots_.size())
             detail::fail(errc::invalid_argument, std::string("slot_manager::") + fn + ": slot = " +
@@ -390,7 +419,7 @@ private:
     reuse::plan swa_adjust(slot& s, seq_id_t seq, const prompt_tokens& request, const reuse::plan& p,
                            request_metrics& m) {
         const std::int64_t thold = std::max<std::int64_t>(0, std::int64_t{p.n_past} - opt_.n_swa);
-        if (cache_->seq_pos_min(seq) <= thold) return p;
+        if (window_pos_min(seq) <= thold) return p;
         reuse::plan q;
         q.n_request = p.n_request;
         for (auto it = s.checkpoints.rbegin(); it != s.checkpoints.rend(); ++it) {

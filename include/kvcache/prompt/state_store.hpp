@@ -1,7 +1,8 @@
 // kvcache: state_store, an entry store of the global prompt cache that keeps each
 // entry as the bytes of io::save_seq (the state format of F15, with its checksum)
 // and loads it with io::load_seq, which validates everything before touching the
-// cache. Kept out of the umbrella header because io/state.hpp brings in xxhash.
+// cache. Works with every memory io:: takes, composite ones (iswa_cache) included: the
+// default entry store of slot_manager over an ISWA cache.
 #pragma once
 
 #include <cstddef>  // std::byte, std::size_t
@@ -11,6 +12,7 @@
 
 #include "../error.hpp"
 #include "../io/state.hpp"
+#include "../memory/memory.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -19,6 +21,8 @@ KVCACHE_BEGIN_NAMESPACE
 /// back with io::load_seq, which validates everything before touching the cache.
 template <class Cache>
 class state_store {
+    static_assert(memory<Cache>, "kvcache: state_store<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
+
 public:
     /// Handles are plain data: copying one copies the saved state.
     static constexpr bool copyable_handles = true;

@@ -1,0 +1,143 @@
+// kvcache io: what a state's bytes depend on besides its cells (the fingerprint of
+// io/format.hpp, with the descriptor table parse.hpp checks it with), and the token list
+// rules (F18) every save and load checks.
+#pragma once
+
+#include <cstddef>   // std::size_t
+#include <cstdint>   // fixed-width integers
+#include <cstdio>    // std::snprintf for hex values in messages
+#include <cstring>   // std::memcpy
+#include <optional>  // optional error messages
+#include <span>      // token lists
+#include <string>    // messages
+
+#include "../error.hpp"
+#include "../format/kv_view.hpp"
+#include "../model_shape.hpp"
+#include "../tokens/token.hpp"
+#include "format.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace io {
+
+namespace detail {
+
+using kvcache::detail::internal_access;
+using kvcache::detail::make_error;
+
+inline std::string hex(std::uint64_t v) {
+    char buf[24];
+    std::snprintf(buf, sizeof(buf), "0x%016llx", static_cast<unsigned long long>(v));
+    return buf;
+}
+
+/// The first problem of a token list with media chunks (F18 invariants), or nothing.
+inline std::optional<std::string> check_tokens(std::span<const token_t> tokens, std::span<const media_chunk> media) {
+    std::uint64_t next_free = 0;  // first position after the previous chunk
+    for (std::size_t m = 0; m < media.size(); ++m) {
+        const media_chunk& c = media[m];
+        const std::string name = "media[" + std::to_string(m) + "]";
+        const std::uint64_t end = std::uint64_t{c.begin} + c.n_pos;
+        if (c.n_pos == 0) return name + ".n_pos = 0, must be >= 1";
+        if (end > tokens.size())
+            return name + " covers [" + std::to_string(c.begin) + ", " + std::to_string(end) + ") beyond the " +
+                   std::to_string(tokens.size()) + " tokens";
+        if (c.begin < next_free)
+            return name + ".begin = " + std::to_string(c.begin) + " overlaps or precedes the previous chunk (ends at " +
+                   std::to_string(next_free) + ")";
+        next_free = end;
+    }
+    std::size_t m = 0;
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+        while (m < media.size() && std::uint64_t{media[m].begin} + media[m].n_pos <= i) ++m;
+        const bool covered = m < media.size() && media[m].begin <= i;
+        if (covered && tokens[i] != null_token)
+            return "token[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) + " inside media[" +
+                   std::to_string(m) + "], must be null_token";
+        if (!covered && tokens[i] < 0)
+            return "token[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) +
+                   (tokens[i] == null_token ? " (null_token) but no media chunk covers it" : ", must be >= 0");
+    }
+    return std::nullopt;
+}
+
+/// Everything the bytes depend on besides the cells (the fingerprint of format.hpp).
+struct fingerprint {
+    std::uint32_t n_layer, n_head_kv, head_dim_k, head_dim_v, type_id, elem_size;
+    std::uint32_t rope_type, n_rot, freq_base_bits, freq_scale_bits, layout_id, window;
+};
+
+/// The attention window of a layout (0 when it keeps every cell).
+template <class Cache>
+std::uint32_t layout_window(const Cache& cache) noexcept {
+    if constexpr (requires { cache.storage().window(); })
+        return static_cast<std::uint32_t>(cache.storage().window());
+    else if constexpr (requires { Cache::layout::window; })
+        return static_cast<std::uint32_t>(Cache::layout::window);
+    else
+        return 0;
+}
+
+template <class Cache>
+fingerprint fingerprint_of(const Cache& cache) noexcept {
+    const model_shape& s = cache.shape();
+    fingerprint f{};
+    f.n_layer = s.n_layer;
+    f.n_head_kv = s.n_head_kv;
+    f.head_dim_k = s.dim_k();
+    f.head_dim_v = s.dim_v();
+    f.type_id = static_cast<std::uint32_t>(Cache::element::type_id);
+    f.elem_size = static_cast<std::uint32_t>(sizeof(typename Cache::storage_type));
+    f.rope_type = static_cast<std::uint32_t>(s.rope.type);
+    f.n_rot = s.n_rot();
+    std::memcpy(&f.freq_base_bits, &s.rope.freq_base, 4);
+    std::memcpy(&f.freq_scale_bits, &s.rope.freq_scale, 4);
+    f.layout_id = static_cast<std::uint32_t>(Cache::layout::layout_id);
+    f.window = layout_window(cache);
+    return f;
+}
+
+template <class Cache>
+constexpr void require_raw_view() {
+    static_assert(requires(const typename Cache::storage_t& s) { s.view(0u).k_offset(0u, 0u, 0u); },
+                  "kvcache::io: state I/O needs a layout storage with view(layer) returning a kv_layer_view "
+                  "(see format/kv_view.hpp)");
+}
+
+/// How a fingerprint field must match the cache when loading.
+enum class fp_rule : std::uint8_t {
+    exact,          ///< equal, else the field's errc
+    informational,  ///< not checked (layout_id: states load across layouts)
+    window,         ///< equal when both state and cache have one (0 = none)
+};
+
+/// One fingerprint field of the fixed header (format.hpp): write_state writes the table
+/// in order, parse_state checks it in order.
+struct fp_field {
+    std::uint32_t fingerprint::*member;
+    const char* name;
+    errc code;
+    fp_rule rule;
+};
+
+inline constexpr fp_field fingerprint_fields[] = {
+    {&fingerprint::n_layer, "n_layer", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::n_head_kv, "n_head_kv", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::head_dim_k, "head_dim_k", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::head_dim_v, "head_dim_v", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::type_id, "element type_id", errc::dtype_mismatch, fp_rule::exact},
+    {&fingerprint::elem_size, "element size", errc::dtype_mismatch, fp_rule::exact},
+    {&fingerprint::rope_type, "rope type", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::n_rot, "rope n_rot", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::freq_base_bits, "rope freq_base bits", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::freq_scale_bits, "rope freq_scale bits", errc::shape_mismatch, fp_rule::exact},
+    {&fingerprint::layout_id, "layout_id", errc::shape_mismatch, fp_rule::informational},
+    {&fingerprint::window, "window", errc::shape_mismatch, fp_rule::window},
+};
+static_assert(sizeof(fingerprint_fields) / sizeof(fp_field) * 4 == off::seq - off::n_layer,
+              "the fingerprint table must cover the header's fingerprint bytes");
+
+}  // namespace detail
+
+}  // namespace io
+KVCACHE_END_NAMESPACE
