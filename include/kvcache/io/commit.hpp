@@ -9,6 +9,7 @@
 #include <vector>   // undo log
 
 #include "../cells/cell_table.hpp"
+#include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "parse.hpp"
 #include "transfer.hpp"

@@ -11,6 +11,7 @@
 #include <span>      // token lists
 #include <string>    // messages
 
+#include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"

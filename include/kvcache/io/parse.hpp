@@ -17,6 +17,7 @@
 #include <vector>     // staging
 
 #include "../cells/cell_table.hpp"
+#include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../tokens/token.hpp"
 #include "detail/xxhash.hpp"

@@ -30,6 +30,7 @@
 #include <utility>  // std::move
 #include <vector>   // buffers and staging
 
+#include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../memory/memory.hpp"
 #include "../tokens/token.hpp"

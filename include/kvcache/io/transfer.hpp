@@ -10,6 +10,7 @@
 #include <span>       // cell maps
 #include <vector>     // copy plans
 
+#include "../detail/policy_select.hpp"
 #include "../format/kv_view.hpp"
 #include "detail/xxhash.hpp"
 #include "fingerprint.hpp"

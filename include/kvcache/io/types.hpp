@@ -4,6 +4,7 @@
 #include <cstdint>  // fixed-width integers
 #include <vector>   // cells, tokens
 
+#include "../model_shape.hpp"
 #include "../tokens/token.hpp"
 #include "format.hpp"
 

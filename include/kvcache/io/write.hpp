@@ -10,6 +10,7 @@
 #include <vector>   // cell lists
 
 #include "../cells/cell_table.hpp"
+#include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../tokens/token.hpp"
 #include "detail/xxhash.hpp"
