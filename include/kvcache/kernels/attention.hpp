@@ -40,6 +40,7 @@
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 #include "../simd/tile_io.hpp"
+#include "tile_source.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace kernels {
@@ -140,10 +141,13 @@ struct attn_shape {
 
 /// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
 /// Scratch: p_buf M x k_tile floats, vt_buf k_tile x dv floats (transposed V only), q_buf dk x M floats.
-template <std::size_t M, class T>
+/// src: where K / V tiles are read from (tile_source.hpp): in place for storage with SIMD
+/// loads, else converted into the source's own f32 scratch.
+template <std::size_t M, class T, class Src = native_tiles<T>>
 void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta& meta, const attn_shape& sh,
                  const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges, attn_state<M>& st,
-                 float* p_buf, float* vt_buf, float* q_buf) noexcept {
+                 float* p_buf, float* vt_buf, float* q_buf, const Src& src = Src{}) noexcept {
+    using S = typename Src::value_type;  // T, or float for converted tiles
     using simd::fbatch;
     constexpr std::size_t L = simd::lanes;
     constexpr std::size_t B = k_tile / L;  // sub-batches per tile
@@ -246,7 +250,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // rows from L1 and converts them again (512 x 512 prefill: 0.99-1.02x, mean 1.007x).
     constexpr std::size_t SG = M > 8 ? 8 : M;
     auto score_tile = [&](std::uint32_t tile, fbatch (&sc)[M][B]) {
-        const T* kt = kv.k_tile_ptr(h, tile);
+        const S* kt = src.k_rows(kv, h, tile);
         // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
         // line of each per step of the loop below (same byte offset in both).
         const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
@@ -349,11 +353,11 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             // Transposed V: gather the visible cells' rows into row-major scratch.
             for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                 const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile + j, kv.n_cells_pad,
-                                vt_buf + std::size_t{j} * dv, dv);
+                src.v_column(kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile + j, kv.n_cells_pad,
+                             vt_buf + std::size_t{j} * dv, dv);
             }
         }
-        const T* vtile = vt ? nullptr : kv.v_tile_ptr(h, tile);
+        const S* vtile = vt ? nullptr : src.v_rows(kv, h, tile);
         // Element (cell j, dimension d) of the tile: at(j, d) into V blocks (format/kv_view.hpp) or the scratch rows.
         auto accumulate = [&](auto* src, auto&& at) {
             std::uint32_t d = 0;
@@ -431,8 +435,8 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
     auto fused_tile = [&](std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,
                           fbatch (&sc)[M][B]) {
-        const T* kt = kv.k_tile_ptr(h, stile);
-        const T* vb = kv.v_tile_ptr(h, vtile);
+        const S* kt = src.k_rows(kv, h, stile);
+        const S* vb = src.v_rows(kv, h, vtile);
         // No software prefetch here: with both streams read at once the hardware prefetchers
         // keep up, and `interleaved` requests in this loop cost 2-12% (Zen 5, A/B).
         fbatch part[M][B];
@@ -464,7 +468,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             constexpr std::size_t VW = decltype(vw_tag)::value;  // vectors per piece
             constexpr std::size_t R = decltype(rows_tag)::value;  // K rows per piece, 0: Bresenham
             const std::uint32_t d0 = blk * v_block;
-            const T* vp = vb + std::size_t{d0} * k_tile;  // (earlier blocks are full)
+            const S* vp = vb + std::size_t{d0} * k_tile;  // (earlier blocks are full)
             const std::size_t w = VW * L;                 // this block's width
             float* ab = acc + d0;
             fbatch a[M][VW];
