@@ -1,13 +1,13 @@
 // kvcache kernels: where the attention kernel reads a tile's K and V from.
 //
-// native_tiles<T>: in place, for the storage types simd/tile_io.hpp loads with SIMD
-// (f32, f16, bf16); the kernel converts while it loads. converted_tiles<Element>: any
-// other element (concepts.hpp, "Element policy"): each visited tile's K rows and V
-// rows are converted with Element::to_float into two f32 scratch buffers of the work
-// item (k_tile x dim_k and k_tile x dim_v floats, caller-owned: nothing is allocated),
-// and the kernel then runs its f32 code on them. ops pick the source at compile time
+// The storage types simd/tile_io.hpp loads with SIMD (f32, f16, bf16) are read in
+// place: the kernel converts while it loads. For any other element (concepts.hpp,
+// "Element policy") the kernel is given a converted_tiles<Element>: each visited tile's
+// K rows and V rows are converted with Element::to_float into two f32 scratch buffers of
+// the work item (k_tile x dim_k and k_tile x dim_v floats, caller-owned: nothing is
+// allocated), and the kernel then runs its f32 code on them. ops choose at compile time
 // (detail::has_simd_storage, element/contract.hpp), so the built-in elements keep their
-// code and a custom element is correct everywhere, only slower.
+// machine code and a custom element is correct everywhere, only slower.
 #pragma once
 
 #include <cstddef>  // std::size_t
@@ -16,28 +16,9 @@
 #include "../concepts.hpp"
 #include "../config.hpp"
 #include "../format/kv_view.hpp"
-#include "../simd/tile_io.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace kernels {
-
-/// Tiles read in place: storage with SIMD loads (simd::load(const T*)).
-template <class T>
-struct native_tiles {
-    using value_type = T;  ///< what the kernel's loads read
-    /// K tile `tile` of head h: dim_k rows of k_tile values.
-    [[nodiscard]] const T* k_rows(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile) const noexcept {
-        return kv.k_tile_ptr(h, tile);
-    }
-    /// Row-major V tile `tile` of head h (offsets: kv.v_in_tile).
-    [[nodiscard]] const T* v_rows(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile) const noexcept {
-        return kv.v_tile_ptr(h, tile);
-    }
-    /// n values at src, src + stride, ... as floats (one cell's transposed V row).
-    void v_column(const T* src, std::size_t stride, float* dst, std::size_t n) const noexcept {
-        simd::to_floats(src, stride, dst, n);
-    }
-};
 
 /// Tiles converted through Element::to_float into f32 scratch (the generic path).
 template <class Element>
@@ -63,15 +44,6 @@ struct converted_tiles {
         for (std::size_t i = 0; i < n; ++i) Element::to_float(src + i * stride, dst + i, 1);
     }
 };
-
-/// Floats of per-work-item scratch a source needs (0 for native_tiles).
-template <class Src>
-inline constexpr std::size_t tile_source_scratch(std::uint32_t dim_k, std::uint32_t dim_v) noexcept {
-    if constexpr (requires(Src s) { s.k_buf; })
-        return std::size_t{k_tile} * (dim_k + dim_v);
-    else
-        return 0;
-}
 
 }  // namespace kernels
 KVCACHE_END_NAMESPACE

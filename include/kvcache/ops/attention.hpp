@@ -238,8 +238,6 @@ void run_items(const kv_layer_view<const typename Element::storage_type>& kv, co
         float* p_buf = acc + M * dv;
         float* vt_buf = p_buf + M * k_tile;
         float* q_buf = vt_buf + std::size_t{k_tile} * dv;
-        float* stage = q_buf + M * sh.dk;  // converted tiles only (see `need` in attention())
-        static_cast<void>(stage);
         const auto item = static_cast<std::size_t>(it);
         const std::size_t k = item % n_split;
         const std::size_t hg = item / n_split;
@@ -258,6 +256,7 @@ void run_items(const kv_layer_view<const typename Element::storage_type>& kv, co
                                        split_first[k + 1] - split_first[k], st, p_buf, vt_buf, q_buf);
         } else {
             // Generic path: tiles converted through Element::to_float into this thread's scratch.
+            float* stage = q_buf + M * sh.dk;  // k_tile x (dk + dv) floats (see `need` in attention())
             const kernels::converted_tiles<Element> src{stage, stage + std::size_t{k_tile} * sh.dk};
             kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k],
                                        split_first[k + 1] - split_first[k], st, p_buf, vt_buf, q_buf, src);
@@ -456,10 +455,9 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     // Zen 5 ran ~20% slower than two single-thread processes side by side.
     constexpr std::size_t page = 4096 / sizeof(float);
     // (+ the generic path's two converted tiles, k_tile x (dk + dv) floats; 0 for f32/f16/bf16)
-    using src_t = std::conditional_t<kvcache::detail::has_simd_storage<typename Cache::element>, kernels::native_tiles<T>,
-                                     kernels::converted_tiles<typename Cache::element>>;
-    const std::size_t need = M * dv + M * k_tile + std::size_t{k_tile} * dv + M * dk + 16 +
-                             kernels::tile_source_scratch<src_t>(dk, dv);
+    constexpr bool in_place = kvcache::detail::has_simd_storage<typename Cache::element>;
+    const std::size_t stage = in_place ? 0 : std::size_t{k_tile} * (dk + dv);
+    const std::size_t need = M * dv + M * k_tile + std::size_t{k_tile} * dv + M * dk + 16 + stage;
     const std::size_t per_thread = (need + page - 1) / page * page + page;
     if (ws.scratch_.size() < per_thread * static_cast<std::size_t>(threads) + page)
         ws.scratch_.resize(per_thread * static_cast<std::size_t>(threads) + page);
