@@ -308,7 +308,10 @@ void run_items(const kv_layer_view<const typename Element::storage_type>& kv, co
 }
 }  // namespace detail_attn
 
-/// Attention of n_q query rows over layer `layer` of the cache (F16).
+/// Attention of n_q query rows over layer `layer` of the cache, for every element policy
+/// (f32 / f16 / bf16 are loaded with SIMD; any other element is converted tile by tile
+/// through its to_float into per-thread f32 scratch in the workspace: no allocation once
+/// the workspace has grown).
 /// q: n_q rows of n_head x head_dim_k floats (head-major); q_pos / q_seq: position and
 /// sequence of each row; out: n_q rows of n_head x head_dim_v floats. Query head g reads
 /// KV head g / (n_head / n_head_kv). Cell c is visible to row i when it is occupied, used
