@@ -52,6 +52,9 @@ static_assert(!kvcache::detail::has_simd_storage<plain>);
 
 TEST_CASE("element contract: a custom element builds a cache of every tiled layout") {
     kvcache::model_shape s;
+    s.n_layer = 1;
+    s.n_head_kv = 1;
+    s.head_dim_k = 8;
     s.n_cells = 64;
     CHECK(kvcache::kv_cache<plain>(s).bytes_per_token() > 0);
     CHECK(kvcache::kv_cache<blocky<1>, kvcache::contiguous<kvcache::v_layout::transposed>>(s).bytes_per_token() > 0);
