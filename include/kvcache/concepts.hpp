@@ -45,6 +45,12 @@ concept has_policy_name = requires {
 // ---------------------------------------------------------------------------
 // Element policy.
 //
+// What a value of K or V is stored as, and how it converts to and from f32. Every
+// kernel works with every element: f32, f16 and bf16 have SIMD loads and stores
+// (simd/tile_io.hpp); any other element goes through its to_float / from_float on
+// whole tile rows (kernels convert into small f32 scratch buffers), so a custom
+// element is correct everywhere and only slower.
+//
 // Required members:
 //   1. using policy_kind = kvcache::element_tag;
 //   2. static constexpr std::string_view name;        e.g. "f16"
@@ -53,6 +59,18 @@ concept has_policy_name = requires {
 //   5. static void to_float(const storage_type*, float*, std::size_t n) noexcept;
 //   6. static void from_float(const float*, storage_type*, std::size_t n) noexcept;
 //
+// Optional members:
+//   7. static constexpr std::uint32_t block_size;      default 1 (read it through
+//        element_block_size_v<E>). Values are grouped in blocks of block_size that
+//        share state (e.g. llama.cpp's q8_0 / q4_0: 32 values and one scale), and
+//        to_float / from_float are only ever called with n a multiple of block_size,
+//        on whole blocks (src / dst pointing at the start of a block). Must be >= 1.
+//        Block elements (block_size > 1) satisfy element_policy, but the tiled layouts
+//        (contiguous, paged, ring) do not store them yet: kv_cache refuses them with a
+//        static_assert ("block elements ... are not supported by the tiled layouts yet").
+//
+// kv_cache checks each member with its own static_assert (element/contract.hpp), so
+// the first error line of a non-conforming element names the member that is wrong.
 // Minimal conforming type: see examples/custom_policy.cpp.
 
 template <class E>
@@ -76,9 +94,35 @@ concept element_has_from_float = element_has_storage_type<E> &&
         { E::from_float(f, s, n) } noexcept;
     };
 
+/// Optional member 7: absent, or a constant convertible to std::uint32_t that is >= 1.
+template <class E>
+concept element_has_valid_block_size = !requires { E::block_size; } || requires {
+    { E::block_size } -> std::convertible_to<std::uint32_t>;
+    requires static_cast<std::uint32_t>(E::block_size) >= 1;
+};
+
+namespace detail {
+template <class E>
+consteval std::uint32_t element_block_size() noexcept {
+    if constexpr (requires { E::block_size; })
+        return static_cast<std::uint32_t>(E::block_size);
+    else
+        return 1;
+}
+}  // namespace detail
+
+/// Values per block of element E (optional member 7; 1 when E does not declare it).
+template <class E>
+inline constexpr std::uint32_t element_block_size_v = detail::element_block_size<E>();
+
 template <class E>
 concept element_policy = policy_of_kind<E, element_tag> && has_policy_name<E> && element_has_type_id<E> &&
-                         element_has_storage_type<E> && element_has_to_float<E> && element_has_from_float<E>;
+                         element_has_storage_type<E> && element_has_to_float<E> && element_has_from_float<E> &&
+                         element_has_valid_block_size<E>;
+
+/// An element the tiled K/V format can store: one storage_type per value (block_size 1).
+template <class E>
+concept tiled_element = element_policy<E> && element_block_size_v<E> == 1;
 
 // ---------------------------------------------------------------------------
 // Layout policy.

@@ -13,6 +13,10 @@
 //   read, and masked K lanes are replaced by -inf before any use (free cells may hold
 //   garbage or NaN).
 //
+// - Elements without SIMD loads (custom element policies) pass a converted_tiles
+//   (tile_source.hpp): each visited tile is converted to f32 scratch through
+//   Element::to_float first, then the same code runs on the floats.
+//
 // Why it is fast: every K row and V row of a tile is loaded (and converted from f16 /
 // bf16) once for all M slots, so the M query heads of a GQA group (and, in prefill,
 // several query rows) share one read of the KV head; with M = 4 (decode, GQA 4) the
@@ -40,6 +44,7 @@
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 #include "../simd/tile_io.hpp"
+#include "tile_source.hpp"  // converted_tiles
 
 KVCACHE_BEGIN_NAMESPACE
 namespace kernels {
@@ -116,6 +121,33 @@ inline std::uint32_t tile_ahead(const tile_range* ranges, std::size_t n_ranges, 
     return t;
 }
 
+/// K tile `tile` of head h as the kernel reads it: in place, or converted by conv.
+template <class T, class... Conv>
+inline auto k_rows_of(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile,
+                      const Conv&... conv) noexcept {
+    if constexpr (sizeof...(Conv) == 0)
+        return kv.k_tile_ptr(h, tile);
+    else
+        return (conv.k_rows(kv, h, tile), ...);
+}
+/// Row-major V tile `tile` of head h as the kernel reads it.
+template <class T, class... Conv>
+inline auto v_rows_of(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile,
+                      const Conv&... conv) noexcept {
+    if constexpr (sizeof...(Conv) == 0)
+        return kv.v_tile_ptr(h, tile);
+    else
+        return (conv.v_rows(kv, h, tile), ...);
+}
+/// One cell's transposed V row (n values stride apart) as floats.
+template <class T, class... Conv>
+inline void v_column_of(const T* src, std::size_t stride, float* dst, std::size_t n, const Conv&... conv) noexcept {
+    if constexpr (sizeof...(Conv) == 0)
+        simd::to_floats(src, stride, dst, n);
+    else
+        (conv.v_column(src, stride, dst, n), ...);
+}
+
 /// How far (in logits) the running max may lag behind the true max before the kernel
 /// rescales: exp(8) ~ 3e3, far from f32 overflow even summed over 2^30 cells.
 inline constexpr float rescale_margin = 8.0f;
@@ -140,10 +172,16 @@ struct attn_shape {
 
 /// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
 /// Scratch: p_buf M x k_tile floats, vt_buf k_tile x dv floats (transposed V only), q_buf dk x M floats.
-template <std::size_t M, class T>
+/// conv: none (K / V read in place: storage with SIMD loads, f32 / f16 / bf16), or one
+/// converted_tiles (tile_source.hpp) that converts each tile into its own f32 scratch.
+/// (A pack rather than a defaulted parameter: with none, the function is exactly the one
+/// the built-in elements had before, same arguments and same machine code.)
+template <std::size_t M, class T, class... Conv>
 void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta& meta, const attn_shape& sh,
                  const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges, attn_state<M>& st,
-                 float* p_buf, float* vt_buf, float* q_buf) noexcept {
+                 float* p_buf, float* vt_buf, float* q_buf, const Conv&... conv) noexcept {
+    static_assert(sizeof...(Conv) <= 1, "attend_item: at most one tile converter");
+    using S = std::conditional_t<sizeof...(Conv) == 0, T, float>;  // what the loads read
     using simd::fbatch;
     constexpr std::size_t L = simd::lanes;
     constexpr std::size_t B = k_tile / L;  // sub-batches per tile
@@ -246,7 +284,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // rows from L1 and converts them again (512 x 512 prefill: 0.99-1.02x, mean 1.007x).
     constexpr std::size_t SG = M > 8 ? 8 : M;
     auto score_tile = [&](std::uint32_t tile, fbatch (&sc)[M][B]) {
-        const T* kt = kv.k_tile_ptr(h, tile);
+        const S* kt = k_rows_of(kv, h, tile, conv...);
         // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
         // line of each per step of the loop below (same byte offset in both).
         const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
@@ -349,11 +387,11 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             // Transposed V: gather the visible cells' rows into row-major scratch.
             for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                 const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                simd::to_floats(kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile + j, kv.n_cells_pad,
-                                vt_buf + std::size_t{j} * dv, dv);
+                v_column_of(kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile + j, kv.n_cells_pad,
+                            vt_buf + std::size_t{j} * dv, dv, conv...);
             }
         }
-        const T* vtile = vt ? nullptr : kv.v_tile_ptr(h, tile);
+        const S* vtile = vt ? nullptr : v_rows_of(kv, h, tile, conv...);
         // Element (cell j, dimension d) of the tile: at(j, d) into V blocks (format/kv_view.hpp) or the scratch rows.
         auto accumulate = [&](auto* src, auto&& at) {
             std::uint32_t d = 0;
@@ -431,8 +469,8 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
     auto fused_tile = [&](std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,
                           fbatch (&sc)[M][B]) {
-        const T* kt = kv.k_tile_ptr(h, stile);
-        const T* vb = kv.v_tile_ptr(h, vtile);
+        const S* kt = k_rows_of(kv, h, stile, conv...);
+        const S* vb = v_rows_of(kv, h, vtile, conv...);
         // No software prefetch here: with both streams read at once the hardware prefetchers
         // keep up, and `interleaved` requests in this loop cost 2-12% (Zen 5, A/B).
         fbatch part[M][B];
@@ -464,7 +502,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             constexpr std::size_t VW = decltype(vw_tag)::value;  // vectors per piece
             constexpr std::size_t R = decltype(rows_tag)::value;  // K rows per piece, 0: Bresenham
             const std::uint32_t d0 = blk * v_block;
-            const T* vp = vb + std::size_t{d0} * k_tile;  // (earlier blocks are full)
+            const S* vp = vb + std::size_t{d0} * k_tile;  // (earlier blocks are full)
             const std::size_t w = VW * L;                 // this block's width
             float* ab = acc + d0;
             fbatch a[M][VW];

@@ -19,10 +19,12 @@
 // in-place bandwidth even in L2 (Zen 5: 160 vs 88 ns per tile).
 #pragma once
 
+#include <bit>          // std::countr_zero
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
 #include <type_traits>  // std::true_type
 
+#include "../concepts.hpp"
 #include "../config.hpp"
 #include "../format/kv_view.hpp"
 #include "../simd/tile_io.hpp"
@@ -104,6 +106,42 @@ inline void rotate_tile(T* tile, std::uint32_t n_rot, const tile_rotation& rot, 
             run(no{}, yes{}, rot.lane_cos, rot.lane_sin);
         else
             run(no{}, no{}, rot.lane_cos, rot.lane_sin);
+    }
+}
+
+/// K-shift of one tile for an element without SIMD storage (the generic path): each row
+/// pair is converted with Element::to_float into a stack buffer, rotated by the same
+/// f32 code as the native path, and the moving cells are converted back with
+/// Element::from_float (cells outside rot.mask keep their stored bytes). Allocates nothing.
+template <class Element>
+inline void rotate_tile_converted(typename Element::storage_type* tile, std::uint32_t n_rot,
+                                  const tile_rotation& rot, const float* cos_tab, const float* sin_tab) noexcept {
+    static_assert(element_block_size_v<Element> == 1,
+                  "kvcache: block elements (element block_size > 1) are not supported by the tiled layouts yet");
+    using T = typename Element::storage_type;
+    constexpr std::size_t pair = 2 * std::size_t{k_tile};  // values of one row pair
+    const xsimd::batch_bool<float> keep[kshift_batches] = {};  // (unused: the whole pair is rotated)
+    const bool partial = rot.mask != k_tile_full;
+    alignas(64) float buf[pair];
+    T back[pair];
+    for (std::uint32_t i = 0; i < n_rot / 2; ++i) {
+        T* p = tile + std::size_t{i} * pair;
+        Element::to_float(p, buf, pair);
+        if (rot.uniform)
+            rotate_rows<true, false>(buf, 1, cos_tab + i, sin_tab + i, keep, nullptr);
+        else
+            rotate_rows<false, false>(buf, 1, rot.lane_cos + std::size_t{i} * k_tile,
+                                      rot.lane_sin + std::size_t{i} * k_tile, keep, nullptr);
+        if (!partial) {
+            Element::from_float(buf, p, pair);
+            continue;
+        }
+        Element::from_float(buf, back, pair);
+        for (tile_mask bits = rot.mask; bits != 0; bits &= bits - 1) {
+            const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+            p[j] = back[j];
+            p[k_tile + j] = back[k_tile + j];
+        }
     }
 }
 

@@ -24,6 +24,7 @@
 #include "../cells/cell_table.hpp"
 #include "../concepts.hpp"
 #include "../detail/policy_select.hpp"
+#include "../element/contract.hpp"
 #include "../element/f32.hpp"
 #include "../error.hpp"
 #include "../layout/contiguous.hpp"
@@ -81,8 +82,10 @@ public:
     /// Whether positions may move (seq_add / seq_div): the layout's can_shift.
     static constexpr bool can_shift = Layout::can_shift;
 
-    static_assert(element_policy<element>,
+    static_assert(detail::check_element<element>(),  // (one static_assert per member inside)
                   "kvcache: the element policy does not satisfy kvcache::element_policy (see kvcache/concepts.hpp)");
+    static_assert(detail::check_tiled_element<element>(),
+                  "kvcache: block elements are not supported by the tiled layouts yet");
     static_assert(layout_policy<layout>,
                   "kvcache: the layout policy does not satisfy kvcache::layout_policy (see kvcache/concepts.hpp)");
     static_assert(layout_policy_for<layout, element>,

@@ -1,4 +1,4 @@
-// kvcache ops: attention over the cache (F16), prefill and decode.
+// kvcache ops: attention over the cache, prefill and decode, for every element policy.
 #pragma once
 
 #include <cmath>    // std::sqrt, std::exp, std::tanh, std::isfinite
@@ -15,7 +15,10 @@
 #include "../cells/cell_table.hpp"
 #include "../config.hpp"
 #include "../error.hpp"
+#include "../cells/cell_table.hpp"
+#include "../element/contract.hpp"
 #include "../kernels/attention.hpp"
+#include "../kernels/attention_scalar.hpp"
 #include "../kernels/path.hpp"
 #include "../format/kv_view.hpp"
 #include "../memory/memory.hpp"
@@ -138,44 +141,27 @@ void check(const Cache& cache, std::uint32_t layer, const float* q, const pos_t*
     }
 }
 
-/// The plain reference loop: one query row, one head, one cell, one element at a time.
+/// kernel_path::scalar: the plain reference loop (kernels/attention_scalar.hpp).
 template <class Cache>
 void attention_scalar(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos,
                       const seq_id_t* q_seq, std::uint32_t n_q, const attention_params& p, float* out,
                       std::vector<float>& acc_buf) {
     const model_shape& s = cache.shape();
-    const std::uint32_t dk = s.dim_k(), dv = s.dim_v(), group = p.n_head / s.n_head_kv;
-    const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(dk));
-    const auto v = cache.storage().view(layer);
-    const std::uint32_t n = cache.n_window();
-    const auto& cells = cache.cells();
-    if (acc_buf.size() < dv) acc_buf.resize(dv);
-    float* acc = acc_buf.data();
-    for (std::uint32_t i = 0; i < n_q; ++i) {
-        for (std::uint32_t g = 0; g < p.n_head; ++g) {
-            const std::uint32_t h = g / group;
-            const float* qr = q + (std::size_t{i} * p.n_head + g) * dk;
-            float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-            for (std::uint32_t d = 0; d < dv; ++d) acc[d] = 0.0f;
-            for (std::uint32_t c = 0; c < n; ++c) {
-                const pos_t pc = cells.pos(c);
-                if (pc < 0 || !cells.seqs(c).test(q_seq[i]) || pc > q_pos[i]) continue;
-                if (p.window > 0 && std::int64_t{pc} <= std::int64_t{q_pos[i]} - p.window) continue;
-                float sc = 0.0f;
-                for (std::uint32_t d = 0; d < dk; ++d) sc += qr[d] * simd::to_float(v.k[v.k_offset(h, c, d)]);
-                sc *= scale;
-                if (p.softcap > 0.0f) sc = p.softcap * std::tanh(sc / p.softcap);
-                const float nm = sc > m ? sc : m;
-                const float alpha = std::exp(m - nm), w = std::exp(sc - nm);
-                l = l * alpha + w;
-                for (std::uint32_t d = 0; d < dv; ++d)
-                    acc[d] = acc[d] * alpha + w * simd::to_float(v.v[v.v_offset(h, c, d)]);
-                m = nm;
-            }
-            float* o = out + (std::size_t{i} * p.n_head + g) * dv;
-            for (std::uint32_t d = 0; d < dv; ++d) o[d] = l > 0.0f ? acc[d] / l : 0.0f;
-        }
-    }
+    kernels::scalar_attn_args a;
+    a.cell_pos = cache.cells().pos_data();
+    a.cell_seqs = cache.cells().seq_data();
+    a.n = cache.n_window();
+    a.q = q;
+    a.q_pos = q_pos;
+    a.q_seq = q_seq;
+    a.n_q = n_q;
+    a.n_head = p.n_head;
+    a.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(s.dim_k()));
+    a.window = p.window;
+    a.softcap = p.softcap;
+    a.out = out;
+    if (acc_buf.size() < s.dim_v()) acc_buf.resize(s.dim_v());
+    kernels::attention_scalar<typename Cache::element>(cache.storage().view(layer), a, acc_buf.data());
 }
 
 /// Summary of tile t of the cells [0, n) for the kernel's masking.
@@ -206,8 +192,8 @@ inline kernels::tile_meta summarise_tile(const cell_table& cells, std::uint32_t 
     return tm;
 }
 
-template <std::size_t M, class T>
-void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta, const kernels::attn_shape& sh,
+template <std::size_t M, class Element>
+void run_items(const kv_layer_view<const typename Element::storage_type>& kv, const kernels::attn_meta& meta, const kernels::attn_shape& sh,
                const kernels::attn_slot* slots, std::size_t slots_per_head, std::uint32_t n_head_kv,
                const kernels::tile_range* split_ranges, const std::size_t* split_first, std::size_t n_split,
                float* scratch, std::size_t scratch_per_thread, float* partial, std::uint32_t* parts_done,
@@ -222,6 +208,7 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
     auto summarise = [&](std::int64_t t) { tiles[t] = summarise_tile(cells, n, static_cast<std::uint32_t>(t)); };
     const std::size_t groups = slots_per_head / M;
     const auto n_items = static_cast<std::int64_t>(std::size_t{n_head_kv} * groups * n_split);
+    using T = typename Element::storage_type;
     const std::uint32_t dv = sh.dv;
     const float ninf = -std::numeric_limits<float>::infinity();
 
@@ -266,8 +253,16 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
             st.l[s] = 0.0f;
         }
         std::fill(acc, acc + M * dv, 0.0f);
-        kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k], split_first[k + 1] - split_first[k],
-                                   st, p_buf, vt_buf, q_buf);
+        if constexpr (kvcache::detail::has_simd_storage<Element>) {
+            kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k],
+                                       split_first[k + 1] - split_first[k], st, p_buf, vt_buf, q_buf);
+        } else {
+            // Generic path: tiles converted through Element::to_float into this thread's scratch.
+            float* stage = q_buf + M * sh.dk;  // k_tile x (dk + dv) floats (see `need` in attention())
+            const kernels::converted_tiles<Element> src{stage, stage + std::size_t{k_tile} * sh.dk};
+            kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k],
+                                       split_first[k + 1] - split_first[k], st, p_buf, vt_buf, q_buf, src);
+        }
         if (n_split == 1) {
             for (std::size_t s = 0; s < M; ++s) {
                 float* o = out_rows[h * slots_per_head + g * M + s];
@@ -315,7 +310,10 @@ void run_items(const kv_layer_view<const T>& kv, const kernels::attn_meta& meta,
 }
 }  // namespace detail_attn
 
-/// Attention of n_q query rows over layer `layer` of the cache (F16).
+/// Attention of n_q query rows over layer `layer` of the cache, for every element policy
+/// (f32 / f16 / bf16 are loaded with SIMD; any other element is converted tile by tile
+/// through its to_float into per-thread f32 scratch in the workspace: no allocation once
+/// the workspace has grown).
 /// q: n_q rows of n_head x head_dim_k floats (head-major); q_pos / q_seq: position and
 /// sequence of each row; out: n_q rows of n_head x head_dim_v floats. Query head g reads
 /// KV head g / (n_head / n_head_kv). Cell c is visible to row i when it is occupied, used
@@ -463,7 +461,10 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     // core then had to take back on every store: 512 x 512 prefill on 2 threads of a
     // Zen 5 ran ~20% slower than two single-thread processes side by side.
     constexpr std::size_t page = 4096 / sizeof(float);
-    const std::size_t need = M * dv + M * k_tile + std::size_t{k_tile} * dv + M * dk + 16;
+    // (+ the generic path's two converted tiles, k_tile x (dk + dv) floats; 0 for f32/f16/bf16)
+    constexpr bool in_place = kvcache::detail::has_simd_storage<typename Cache::element>;
+    const std::size_t stage = in_place ? 0 : std::size_t{k_tile} * (dk + dv);
+    const std::size_t need = M * dv + M * k_tile + std::size_t{k_tile} * dv + M * dk + 16 + stage;
     const std::size_t per_thread = (need + page - 1) / page * page + page;
     if (ws.scratch_.size() < per_thread * static_cast<std::size_t>(threads) + page)
         ws.scratch_.resize(per_thread * static_cast<std::size_t>(threads) + page);
@@ -476,7 +477,7 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     const kv_layer_view<const T> kv = cache.storage().view(layer);
     auto run = [&](auto m_tag) {
         constexpr std::size_t MM = decltype(m_tag)::value;
-        detail_attn::run_items<MM, T>(kv, meta, sh, ws.slots_.data(), per_head, hkv, ws.split_ranges_.data(),
+        detail_attn::run_items<MM, typename Cache::element>(kv, meta, sh, ws.slots_.data(), per_head, hkv, ws.split_ranges_.data(),
                                       ws.split_first_.data(), n_split, scratch, per_thread,
                                       ws.partial_.data(), ws.parts_done_.data(), out_rows.data(), threads,
                                       cache.cells(), n,

@@ -1,4 +1,5 @@
-// kvcache ops: K-shift (F6), the deferred RoPE correction after seq_add / seq_div.
+// kvcache ops: K-shift (F6), the deferred RoPE correction after seq_add / seq_div, for
+// every element policy.
 #pragma once
 
 #include <algorithm>  // std::sort, std::unique, std::lower_bound
@@ -7,6 +8,7 @@
 #include <vector>     // per-call tables
 
 #include "../config.hpp"
+#include "../element/contract.hpp"
 #include "../kernels/kshift.hpp"
 #include "../kernels/path.hpp"
 #include "../kernels/rope_angles.hpp"
@@ -150,7 +152,10 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
             // and swung by 2x with its loop's alignment.
             const char* ahead = prefetch && item + 2 < n_items ? reinterpret_cast<const char*>(tile_ptr(item + 2)) : nullptr;
             if (path == kernel_path::simd) {
-                kernels::rotate_tile(tile, pl.n_rot, rot, ct, st, ahead);
+                if constexpr (kvcache::detail::has_simd_storage<element>)
+                    kernels::rotate_tile(tile, pl.n_rot, rot, ct, st, ahead);
+                else  // generic path: row pairs converted through element::to_float / from_float
+                    kernels::rotate_tile_converted<element>(tile, pl.n_rot, rot, ct, st);
             } else {
                 kernels::rotate_tile_scalar(
                     tile, pl.n_rot, rot, ct, st,
