@@ -41,6 +41,7 @@
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../format/kv_view.hpp"
+#include "../layout/capabilities.hpp"
 #include "../model_shape.hpp"
 #include "../tokens/token.hpp"
 #include "file.hpp"
@@ -120,10 +121,8 @@ struct fingerprint {
 /// The attention window of a layout (0 when it keeps every cell).
 template <class Cache>
 std::uint32_t layout_window(const Cache& cache) noexcept {
-    if constexpr (requires { cache.storage().window(); })
+    if constexpr (cache_has_capability<Cache, layout_caps::sliding_window>())
         return static_cast<std::uint32_t>(cache.storage().window());
-    else if constexpr (requires { Cache::layout::window; })
-        return static_cast<std::uint32_t>(Cache::layout::window);
     else
         return 0;
 }
@@ -331,7 +330,7 @@ void check_save_args(const char* fn, const Cache& cache, bool one_seq, seq_id_t 
 template <class Cache>
 std::vector<std::pair<seq_id_t, pos_t>> pruning_entries(const Cache& cache, seq_id_t seq) {
     std::vector<std::pair<seq_id_t, pos_t>> out;
-    if constexpr (requires { cache.storage().pruned_below(seq); }) {
+    if constexpr (cache_has_capability<Cache, layout_caps::pruning>()) {
         const auto n_seq = static_cast<seq_id_t>(cache.shape().n_seq_max);
         for (seq_id_t s = seq < 0 ? 0 : seq; s < (seq < 0 ? n_seq : seq + 1); ++s)
             if (const pos_t w = cache.storage().pruned_below(s); w > 0) out.emplace_back(s, w);
@@ -687,12 +686,12 @@ result<picked_cells> pick_cells(Cache& cache, cell_table& ct, const staged_state
     const std::span<const pos_t> pos(st.pos);
     const std::span<const seq_set> seqs(st.seqs);
     picked_cells out;
-    if constexpr (requires { storage.plan_load(ct, pos, seqs); }) {
+    if constexpr (cache_has_capability<Cache, layout_caps::load_plan>()) {
         auto plan = storage.plan_load(ct, pos, seqs);
         if (!plan) return make_error(plan.code(), plan.message());
         out.cells = std::move(plan.value().cells);
         for (const auto& m : plan.value().moves) out.moves.emplace_back(m.from, m.to);
-    } else if constexpr (requires { storage.plan_place(ct, pos, seqs); }) {
+    } else if constexpr (cache_has_capability<Cache, layout_caps::placement_plan>()) {
         auto plan = storage.plan_place(ct, pos, seqs);
         if (!plan) return make_error(plan.code(), plan.message());
         if (!plan.value().copies.empty())
@@ -711,7 +710,7 @@ result<picked_cells> pick_cells(Cache& cache, cell_table& ct, const staged_state
 template <class Cache>
 std::vector<pos_t> pruning_points(const Cache& cache) {
     std::vector<pos_t> out;
-    if constexpr (requires { cache.storage().pruned_below(seq_id_t{0}); })
+    if constexpr (cache_has_capability<Cache, layout_caps::pruning>())
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(cache.shape().n_seq_max); ++s)
             out.push_back(cache.storage().pruned_below(s));
     return out;
@@ -720,7 +719,7 @@ std::vector<pos_t> pruning_points(const Cache& cache) {
 /// (indexed by sequence; 0: none) on a layout that prunes.
 template <class Cache>
 void set_pruning_points(Cache& cache, const std::vector<pos_t>& points, seq_id_t only) {
-    if constexpr (requires { cache.storage().set_pruned_below(seq_id_t{0}, pos_t{0}); })
+    if constexpr (cache_has_capability<Cache, layout_caps::pruning>())
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(cache.shape().n_seq_max); ++s)
             if (only < 0 || s == only) cache.storage().set_pruned_below(s, points[static_cast<std::size_t>(s)]);
 }

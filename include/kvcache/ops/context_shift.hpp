@@ -12,6 +12,7 @@
 
 #include "../error.hpp"
 #include "../cells/seq_step.hpp"
+#include "../layout/capabilities.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -72,9 +73,7 @@ context_shift_result context_shift(Cache& cache, seq_id_t seq, pos_t n_keep, std
     if (splits > cache.capacity() - cache.used() + freed)
         detail::fail(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) + " free cells, " +
                                          to_string(cache.capacity() - cache.used() + freed) + " available");
-    if constexpr (requires(std::span<const seq_step> st) {
-                      cache.storage().check_seq_steps(cache.cells(), seq, st, "context_shift");
-                  }) {  // layout hook (ring: both calls checked before the first runs)
+    if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {  // layout capability (ring: both calls checked before the first runs)
         const seq_step steps[] = {{seq_step::op::rm, n_keep, static_cast<pos_t>(moved_from), 0},
                                   {seq_step::op::add, static_cast<pos_t>(moved_from), -1, -discard}};
         cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "context_shift");
@@ -155,10 +154,8 @@ pos_t self_extend(Cache& cache, seq_id_t seq, self_extend_state& st, pos_t n_pas
             detail::fail(errc::invalid_argument,
                          "self_extend: positions would pass 2^31-1 (n_past = " + to_string(n_past) + ")");
     });
-    if constexpr (requires(std::span<const seq_step> steps) {
-                      cache.storage().check_seq_steps(cache.cells(), seq, steps, "self_extend");
-                  }) {
-        std::vector<seq_step> steps;  // layout hook (ring: calls that need pruned positions)
+    if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {
+        std::vector<seq_step> steps;  // layout capability (ring: calls that need pruned positions)
         detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) { steps.push_back(x); });
         cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "self_extend");
     }
