@@ -33,8 +33,11 @@
 // which has no transaction, moves the foreign cells of the regions it fills first
 // (plan_load).
 //
-// Moving positions and what the layout refuses: the rules are in ring_rules.hpp, the
-// bookkeeping (per-sequence cells, regions, pruning points) in ring_tables.hpp.
+// Moving positions (seq_add / seq_div) and removing or copying ranges of a sequence
+// that pruned are refused where the result could differ from a cache that never pruned:
+// the rules are in ring_rules.hpp; the bookkeeping (per-sequence cells, regions, pruning
+// points) is in ring_tables.hpp. The hooks are declared capabilities of the storage
+// (layout/capabilities.hpp).
 // Attention on ring storage must apply the window mask (ops/ attention takes it).
 #pragma once
 
@@ -58,7 +61,6 @@
 #include "ring_tables.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
-
 
 /// Ring-buffer layout policy for sliding-window layers: keeps the last Window positions
 /// of every sequence (F10).
