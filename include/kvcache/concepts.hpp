@@ -131,17 +131,31 @@ concept tiled_element = element_policy<E> && element_block_size_v<E> == 1;
 //   1. using policy_kind = kvcache::layout_tag;
 //   2. static constexpr std::string_view name;            e.g. "contiguous"
 //   3. static constexpr std::uint32_t layout_id;          stable id written into state files
-//   4. template <class Element> class storage;            K/V buffers for an element policy:
+//   4. template <class Element> class storage;            K/V buffers for an element policy,
+//      satisfying kv_storage below: what kv_cache, the kernels (ops/) and state files
+//      (io/) read. The way to get it right is to derive from
+//      kvcache::tiled_kv_storage<Element, VLayout> (layout/kv_storage.hpp), which
+//      provides all of it in the format of format/kv_view.hpp:
+//        using storage_type = Element::storage_type;
 //        storage(const model_shape&)                      allocate once, zero-initialised
 //        std::size_t bytes() const                        bytes reserved for K and V
+//        std::uint32_t n_cells_padded() const             cells allocated (multiple of 32)
+//        kv_layer_view<storage_type> view(uint32_t layer)              raw K/V of one layer
+//        kv_layer_view<const storage_type> view(uint32_t layer) const  (format/kv_view.hpp)
 //        void write_k(uint32_t layer, uint32_t cell, const float* row)   row: n_head_kv * head_dim_k
 //        void write_v(uint32_t layer, uint32_t cell, const float* row)   row: n_head_kv * head_dim_v
 //        void read_k(uint32_t layer, uint32_t cell, float* row) const
 //        void read_v(uint32_t layer, uint32_t cell, float* row) const
 //        void copy_cell(uint32_t src, uint32_t dst)       K and V of every layer
+//      Optional behaviour (placing tokens, pruning, refusing sequence operations, memory
+//      accounting) is a declared capability of the storage: layout/capabilities.hpp.
 //   5. static constexpr bool can_shift;                   positions may move (seq_add/seq_div)
 //
 // layout_policy<L> checks 1-3 and 5; layout_policy_for<L, Element> adds 4.
+// Minimal conforming layout: examples/custom_layout.cpp.
+
+template <class T>
+struct kv_layer_view;  // format/kv_view.hpp
 
 template <class L>
 concept layout_has_layout_id = requires {
@@ -154,14 +168,39 @@ concept layout_has_can_shift = requires {
 };
 
 template <class S>
-concept kv_storage = requires(S& s, const S& cs, std::uint32_t u, const float* in, float* out) {
+concept storage_has_storage_type = requires { typename S::storage_type; };
+
+template <class S>
+concept storage_has_bytes = requires(const S& cs) {
     { cs.bytes() } -> std::convertible_to<std::size_t>;
+};
+
+template <class S>
+concept storage_has_n_cells_padded = requires(const S& cs) {
+    { cs.n_cells_padded() } -> std::convertible_to<std::uint32_t>;
+};
+
+/// view(layer) gives the raw K/V of one layer in the format kernels and io read.
+template <class S>
+concept storage_has_view = storage_has_storage_type<S> && requires(S& s, const S& cs, std::uint32_t layer) {
+    { s.view(layer) } -> std::same_as<kv_layer_view<typename S::storage_type>>;
+    { cs.view(layer) } -> std::same_as<kv_layer_view<const typename S::storage_type>>;
+};
+
+template <class S>
+concept storage_has_row_io = requires(S& s, const S& cs, std::uint32_t u, const float* in, float* out) {
     s.write_k(u, u, in);
     s.write_v(u, u, in);
     cs.read_k(u, u, out);
     cs.read_v(u, u, out);
-    s.copy_cell(u, u);
 };
+
+template <class S>
+concept storage_has_copy_cell = requires(S& s, std::uint32_t u) { s.copy_cell(u, u); };
+
+template <class S>
+concept kv_storage = storage_has_storage_type<S> && storage_has_bytes<S> && storage_has_n_cells_padded<S> &&
+                     storage_has_view<S> && storage_has_row_io<S> && storage_has_copy_cell<S>;
 
 template <class L>
 concept layout_policy = policy_of_kind<L, layout_tag> && has_policy_name<L> && layout_has_layout_id<L> &&

@@ -44,7 +44,12 @@ struct no_shift_layout {
     static constexpr kvcache::v_layout v_arrangement = kvcache::v_layout::row_major;
     static constexpr std::uint32_t window = W;
     template <class E>
-    using storage = kvcache::tiled_kv_storage<E, kvcache::v_layout::row_major>;
+    struct storage : kvcache::tiled_kv_storage<E, kvcache::v_layout::row_major> {
+        using kvcache::tiled_kv_storage<E, kvcache::v_layout::row_major>::tiled_kv_storage;
+        // The window reaches state fingerprints through the declared capability.
+        static constexpr kvcache::layout_caps capabilities = kvcache::layout_caps::sliding_window;
+        static constexpr std::uint32_t window() noexcept { return W; }
+    };
 };
 
 /// Places `n` consecutive positions of sequence s after its last one and writes random

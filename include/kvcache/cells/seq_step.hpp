@@ -4,7 +4,7 @@
 // check the whole list through its check_seq_steps hook before the first one runs.
 #pragma once
 
-#include <cstdint>  // std::uint8_t
+#include <cstdint>  // std::uint8_t, std::int64_t
 #include <string>   // describe
 
 #include "../model_shape.hpp"
@@ -19,6 +19,18 @@ struct seq_step {
     pos_t p0 = 0;
     pos_t p1 = -1;
     pos_t arg = 0;  ///< delta of add, divisor of div; unused by rm
+};
+
+/// New position of a cell that seq_add (p + arg) or seq_div (p / arg, arg > 0) moves: the
+/// function a layout's check_seq_shift hook receives (layout/capabilities.hpp).
+struct position_move {
+    enum class op : std::uint8_t { add, div };
+    op kind = op::add;
+    std::int64_t arg = 0;  ///< delta of add, divisor (> 0) of div
+
+    [[nodiscard]] constexpr std::int64_t operator()(pos_t p) const noexcept {
+        return kind == op::add ? std::int64_t{p} + arg : std::int64_t{p} / arg;
+    }
 };
 
 /// The call a step stands for, e.g. "seq_add(0, 27, end, -2)", for messages.

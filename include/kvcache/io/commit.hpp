@@ -11,6 +11,7 @@
 #include "../cells/cell_table.hpp"
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
+#include "../layout/capabilities.hpp"
 #include "parse.hpp"
 #include "transfer.hpp"
 #include "types.hpp"
@@ -40,12 +41,12 @@ result<picked_cells> pick_cells(Cache& cache, cell_table& ct, const staged_state
     const std::span<const pos_t> pos(st.pos);
     const std::span<const seq_set> seqs(st.seqs);
     picked_cells out;
-    if constexpr (requires { storage.plan_load(ct, pos, seqs); }) {
+    if constexpr (cache_has_capability<Cache, layout_caps::load_plan>()) {
         auto plan = storage.plan_load(ct, pos, seqs);
         if (!plan) return make_error(plan.code(), plan.message());
         out.cells = std::move(plan.value().cells);
         for (const auto& m : plan.value().moves) out.moves.emplace_back(m.from, m.to);
-    } else if constexpr (requires { storage.plan_place(ct, pos, seqs); }) {
+    } else if constexpr (cache_has_capability<Cache, layout_caps::placement_plan>()) {
         auto plan = storage.plan_place(ct, pos, seqs);
         if (!plan) return make_error(plan.code(), plan.message());
         if (!plan.value().copies.empty())
@@ -64,7 +65,7 @@ result<picked_cells> pick_cells(Cache& cache, cell_table& ct, const staged_state
 template <class Cache>
 std::vector<pos_t> pruning_points(const Cache& cache) {
     std::vector<pos_t> out;
-    if constexpr (requires { cache.storage().pruned_below(seq_id_t{0}); })
+    if constexpr (cache_has_capability<Cache, layout_caps::pruning>())
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(cache.shape().n_seq_max); ++s)
             out.push_back(cache.storage().pruned_below(s));
     return out;
@@ -73,7 +74,7 @@ std::vector<pos_t> pruning_points(const Cache& cache) {
 /// (indexed by sequence; 0: none) on a layout that prunes.
 template <class Cache>
 void set_pruning_points(Cache& cache, const std::vector<pos_t>& points, seq_id_t only) {
-    if constexpr (requires { cache.storage().set_pruned_below(seq_id_t{0}, pos_t{0}); })
+    if constexpr (cache_has_capability<Cache, layout_caps::pruning>())
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(cache.shape().n_seq_max); ++s)
             if (only < 0 || s == only) cache.storage().set_pruned_below(s, points[static_cast<std::size_t>(s)]);
 }

@@ -13,6 +13,7 @@
 
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
+#include "../layout/capabilities.hpp"
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 #include "../tokens/token.hpp"
@@ -71,10 +72,8 @@ struct fingerprint {
 /// The attention window of a layout (0 when it keeps every cell).
 template <class Cache>
 std::uint32_t layout_window(const Cache& cache) noexcept {
-    if constexpr (requires { cache.storage().window(); })
+    if constexpr (cache_has_capability<Cache, layout_caps::sliding_window>())
         return static_cast<std::uint32_t>(cache.storage().window());
-    else if constexpr (requires { Cache::layout::window; })
-        return static_cast<std::uint32_t>(Cache::layout::window);
     else
         return 0;
 }

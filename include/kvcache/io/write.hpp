@@ -12,6 +12,7 @@
 #include "../cells/cell_table.hpp"
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
+#include "../layout/capabilities.hpp"
 #include "../tokens/token.hpp"
 #include "detail/xxhash.hpp"
 #include "fingerprint.hpp"
@@ -56,7 +57,7 @@ void check_save_args(const char* fn, const Cache& cache, bool one_seq, seq_id_t 
 template <class Cache>
 std::vector<std::pair<seq_id_t, pos_t>> pruning_entries(const Cache& cache, seq_id_t seq) {
     std::vector<std::pair<seq_id_t, pos_t>> out;
-    if constexpr (requires { cache.storage().pruned_below(seq); }) {
+    if constexpr (cache_has_capability<Cache, layout_caps::pruning>()) {
         const auto n_seq = static_cast<seq_id_t>(cache.shape().n_seq_max);
         for (seq_id_t s = seq < 0 ? 0 : seq; s < (seq < 0 ? n_seq : seq + 1); ++s)
             if (const pos_t w = cache.storage().pruned_below(s); w > 0) out.emplace_back(s, w);

@@ -17,6 +17,7 @@
 #include "../concepts.hpp"
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
+#include "capabilities.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 
@@ -74,22 +75,6 @@ template <class SeqSet>
 }
 }  // namespace detail
 
-/// Copy-on-write step of a placement: sequence `seq` leaves shared cell `src` for its
-/// own copy `dst` (K/V of every layer copied, same position and pending shift).
-struct cell_copy {
-    std::uint32_t src = 0;
-    std::uint32_t dst = 0;
-    seq_id_t seq = 0;
-};
-
-/// A layout's answer to "where does this micro-batch go" (optional storage hook
-/// `plan_place`; layouts without it use the cache's head-based slot search, F3).
-/// copies are applied first, then token i goes to cells[i].
-struct placement_plan {
-    std::vector<std::uint32_t> cells;
-    std::vector<cell_copy> copies;
-};
-
 /// K/V buffers for all layers, arranged as described at the top of this file.
 /// Allocated once at construction, zero-initialised (F2), never reallocated.
 template <class Element, v_layout VLayout>
@@ -98,6 +83,8 @@ public:
     using element = Element;
     using storage_type = typename Element::storage_type;
     static constexpr v_layout v_arrangement = VLayout;
+    /// No optional hooks (layout/capabilities.hpp); a derived layout storage declares its own.
+    static constexpr layout_caps capabilities = layout_caps::none;
 
     explicit tiled_kv_storage(const model_shape& s)
         : n_layer_(s.n_layer),

@@ -34,84 +34,11 @@
 #include "../cells/cell_table.hpp"
 #include "../concepts.hpp"
 #include "../error.hpp"
+#include "block_pool.hpp"
+#include "capabilities.hpp"
 #include "kv_storage.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
-
-/// Reference-counted pool of n blocks. Block ids are in [0, n_blocks()).
-/// Invariant: free_count() + referenced_count() == n_blocks(); a block is in the
-/// free set exactly when its refcount is 0.
-class block_pool {
-public:
-    explicit block_pool(std::uint32_t n_blocks) : refs_(n_blocks, 0) {
-        for (std::uint32_t b = 0; b < n_blocks; ++b) free_.insert(free_.end(), b);
-    }
-
-    [[nodiscard]] std::uint32_t n_blocks() const noexcept { return static_cast<std::uint32_t>(refs_.size()); }
-    [[nodiscard]] std::uint32_t free_count() const noexcept { return static_cast<std::uint32_t>(free_.size()); }
-    [[nodiscard]] std::uint32_t referenced_count() const noexcept { return n_blocks() - free_count(); }
-    /// Blocks with refcount 0, lowest id first.
-    [[nodiscard]] const std::set<std::uint32_t>& free_blocks() const noexcept { return free_; }
-
-    /// Number of sequences referencing block b; throws invalid_argument for b out of range.
-    [[nodiscard]] std::uint32_t refcount(std::uint32_t b) const {
-        check_id("refcount", b);
-        return refs_[b];
-    }
-    /// Adds one reference to block b (a free block becomes referenced).
-    void retain(std::uint32_t b) {
-        check_id("retain", b);
-        retain_unchecked(b);
-    }
-    /// Drops one reference; releasing a block whose refcount is already 0 is an error
-    /// (errc::invalid_argument, nothing changed), never a silent corruption.
-    void release(std::uint32_t b) {
-        check_id("release", b);
-        if (refs_[b] == 0)
-            detail::fail(errc::invalid_argument,
-                         "block_pool::release: block " + std::to_string(b) + " is already free (double release)");
-        release_unchecked(b);
-    }
-    /// Empty string when the invariants hold, else a description of the first violation.
-    [[nodiscard]] std::string check() const {
-        std::uint32_t zero = 0;
-        for (std::uint32_t b = 0; b < n_blocks(); ++b) {
-            zero += refs_[b] == 0;
-            if ((refs_[b] == 0) != (free_.count(b) == 1))
-                return "block " + std::to_string(b) + " has refcount " + std::to_string(refs_[b]) +
-                       " but is " + (free_.count(b) ? "" : "not ") + "in the free set";
-        }
-        if (zero != free_count() || free_count() + referenced_count() != n_blocks())
-            return "free (" + std::to_string(free_count()) + ") + referenced (" + std::to_string(referenced_count()) +
-                   ") != total (" + std::to_string(n_blocks()) + ")";
-        return {};
-    }
-
-    // Library-internal fast paths (callers guarantee the preconditions).
-    void retain_unchecked(std::uint32_t b) {
-        if (refs_[b]++ == 0) free_.erase(b);
-    }
-    void release_unchecked(std::uint32_t b) {
-        KVCACHE_ASSERT(refs_[b] > 0);
-        if (--refs_[b] == 0) free_.insert(b);
-    }
-    void reset() {
-        for (std::uint32_t b = 0; b < n_blocks(); ++b) {
-            refs_[b] = 0;
-            free_.insert(b);
-        }
-    }
-
-private:
-    void check_id(const char* fn, std::uint32_t b) const {
-        if (b >= n_blocks())
-            detail::fail(errc::invalid_argument, std::string("block_pool::") + fn + ": block = " + std::to_string(b) +
-                                                     ", must be < n_blocks = " + std::to_string(n_blocks()));
-    }
-
-    std::vector<std::uint32_t> refs_;  // sequences referencing each block
-    std::set<std::uint32_t> free_;     // exactly the blocks with refs_ == 0
-};
 
 namespace detail {
 
@@ -372,6 +299,11 @@ struct paged {
         using base = tiled_kv_storage<Element, VLayout>;
 
     public:
+        /// The hooks this storage provides (layout/capabilities.hpp).
+        static constexpr layout_caps capabilities = layout_caps::cell_observer | layout_caps::placement_plan |
+                                                    layout_caps::split_targets | layout_caps::held_cells |
+                                                    layout_caps::tile_ranges;
+
         explicit storage(const model_shape& s)
             : base(checked(s)),
               tables_(std::make_unique<detail::paged_tables>(s.n_cells / BlockSize, BlockSize, s.n_seq_max)),
@@ -422,7 +354,7 @@ struct paged {
         /// matches the cells; else the first violation. Tests call it after every step.
         [[nodiscard]] std::string check_invariants(const cell_table& cells) const { return tables_->check(cells); }
 
-        // ---- layout hooks used by kv_cache ----
+        // ---- layout capabilities (layout/capabilities.hpp) ----
         [[nodiscard]] cell_observer* observer() noexcept { return tables_.get(); }
         [[nodiscard]] result<placement_plan> plan_place(const cell_table& cells, std::span<const pos_t>,
                                                         std::span<const seq_set> seqs) {

@@ -72,6 +72,7 @@ public:
     /// The reuse policy slots apply (the full cache's; slot_manager takes SWA checkpoints
     /// from `window` for the ring part).
     using reuse = typename full_cache::reuse;
+    using swa_storage = typename swa_cache::storage_t;
     static constexpr std::uint32_t window = Window;
     /// Names this composite kind in state files (io/composite.hpp).
     static constexpr std::uint32_t composite_id = 1;
@@ -152,8 +153,10 @@ public:
             return detail::make_error(errc::no_space, "place: the sliding-window cache has " +
                                                           std::to_string(swa_.capacity() - swa_.used()) +
                                                           " free cells for a batch of " + std::to_string(pos.size()));
-        auto dry = swa_.storage().plan_place(swa_.cells(), pos, seqs);  // no side effects
-        if (!dry) return detail::make_error(dry.code(), dry.message());
+        if constexpr (has_capability<swa_storage, layout_caps::placement_plan>) {
+            auto dry = swa_.storage().plan_place(swa_.cells(), pos, seqs);  // no side effects
+            if (!dry) return detail::make_error(dry.code(), dry.message());
+        }
         auto f = full_.place(pos, seqs);
         if (!f) return detail::make_error(f.code(), f.message());
         auto w = swa_.place(pos, seqs);
@@ -184,7 +187,8 @@ public:
     void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         if (valid_seq(src) && valid_seq(dst) && src != dst)
             if (const auto r = normalized(p0, p1); r.first <= r.second)
-                swa_.storage().check_seq_cp(swa_.cells(), src, dst, r.first, r.second);  // pruned positions
+                if constexpr (has_capability<swa_storage, layout_caps::seq_cp_check>)
+                    swa_.storage().check_seq_cp(swa_.cells(), src, dst, r.first, r.second);  // pruned positions
         full_.seq_cp(src, dst, p0, p1);  // may refuse (dst holds a position): the ring holds a subset
         swa_.seq_cp(src, dst, p0, p1);
     }
@@ -195,13 +199,13 @@ public:
     /// Adds delta to the positions of s (every sequence if s < 0) in [p0, p1) in both caches,
     /// or in neither (see the file comment; the ring's rules are in ring.hpp).
     void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
-        if (delta != 0) check_ring_move("seq_add", s, p0, p1, [delta](pos_t p) { return std::int64_t{p} + delta; });
+        if (delta != 0) check_ring_move("seq_add", s, p0, p1, position_move{position_move::op::add, delta});
         full_.seq_add(s, p0, p1, delta);
         swa_.seq_add(s, p0, p1, delta);
     }
     /// Integer-divides the positions of s in [p0, p1) by d > 0 in both caches, or in neither.
     void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
-        if (d > 1) check_ring_move("seq_div", s, p0, p1, [d](pos_t p) { return std::int64_t{p} / d; });
+        if (d > 1) check_ring_move("seq_div", s, p0, p1, position_move{position_move::op::div, d});
         full_.seq_div(s, p0, p1, d);
         swa_.seq_div(s, p0, p1, d);
     }
@@ -223,12 +227,12 @@ private:
     /// What the ring would refuse in a seq_add / seq_div (new position = f(old)), checked
     /// before either cache changes. Invalid arguments are left to the full cache, which
     /// refuses them first with the usual message.
-    template <class F>
-    void check_ring_move(const char* fn, seq_id_t s, pos_t p0, pos_t p1, F f) const {
+    void check_ring_move(const char* fn, seq_id_t s, pos_t p0, pos_t p1, position_move f) const {
         if (full_.in_transaction() || !(s < 0 || valid_seq(s))) return;
         const auto [lo, hi] = normalized(p0, p1);
         if (lo > hi) return;
-        swa_.storage().check_seq_shift(swa_.cells(), fn, s, lo, hi, f);
+        if constexpr (has_capability<swa_storage, layout_caps::seq_shift_check>)
+            swa_.storage().check_seq_shift(swa_.cells(), fn, s, lo, hi, f);
         if (s < 0) return;  // every sequence moves together: nothing is split
         const cell_table& cells = swa_.cells();
         std::uint32_t splits = 0;

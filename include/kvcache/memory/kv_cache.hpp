@@ -27,6 +27,7 @@
 #include "../element/contract.hpp"
 #include "../element/f32.hpp"
 #include "../error.hpp"
+#include "../layout/capabilities.hpp"
 #include "../layout/contiguous.hpp"
 #include "../model_shape.hpp"
 #include "../reuse/none.hpp"
@@ -88,6 +89,23 @@ public:
                   "kvcache: block elements are not supported by the tiled layouts yet");
     static_assert(layout_policy<layout>,
                   "kvcache: the layout policy does not satisfy kvcache::layout_policy (see kvcache/concepts.hpp)");
+    static_assert(requires { typename layout::template storage<element>; },
+                  "kvcache: the layout policy has no `template <class Element> class storage` (derive it from "
+                  "kvcache::tiled_kv_storage, see kvcache/layout/kv_storage.hpp)");
+    static_assert(std::constructible_from<typename layout::template storage<element>, const model_shape&>,
+                  "kvcache: the layout's storage<Element> is not constructible from `const model_shape&`");
+    static_assert(storage_has_storage_type<typename layout::template storage<element>> &&
+                      std::same_as<typename layout::template storage<element>::storage_type,
+                                   typename element::storage_type>,
+                  "kvcache: the layout's storage<Element> must define `using storage_type = "
+                  "Element::storage_type;` (tiled_kv_storage does)");
+    static_assert(storage_has_view<typename layout::template storage<element>>,
+                  "kvcache: the layout's storage<Element> has no view(layer) returning kv_layer_view<storage_type> "
+                  "(and kv_layer_view<const storage_type> when const), which attention, the K-shift and state "
+                  "files read; derive it from kvcache::tiled_kv_storage (kvcache/layout/kv_storage.hpp)");
+    static_assert(storage_has_n_cells_padded<typename layout::template storage<element>>,
+                  "kvcache: the layout's storage<Element> has no `std::uint32_t n_cells_padded() const`; derive "
+                  "it from kvcache::tiled_kv_storage (kvcache/layout/kv_storage.hpp)");
     static_assert(layout_policy_for<layout, element>,
                   "kvcache: the layout policy's storage<Element> does not satisfy kvcache::kv_storage "
                   "(see kvcache/concepts.hpp)");
@@ -99,13 +117,14 @@ public:
 
     using storage_type = typename element::storage_type;
     using storage_t = typename layout::template storage<element>;
+    static_assert(detail::check_layout_capabilities<storage_t>());
 
     /// Builds a cache for `shape`; throws kvcache::error(invalid_config) naming a bad parameter.
     /// Allocates every buffer once, zero-initialised (F2).
     explicit basic_kv_cache(const model_shape& shape)
         : shape_(validated(shape)), cells_(shape.n_cells, shape.n_seq_max), storage_(shape) {
-        // Layout hook: storage with block/region bookkeeping follows every cell change.
-        if constexpr (requires { storage_.observer(); }) cells_.set_observer(storage_.observer());
+        // Layout capability: storage with block/region bookkeeping follows every cell change.
+        if constexpr (has_capability<storage_t, layout_caps::cell_observer>) cells_.set_observer(storage_.observer());
     }
 
     basic_kv_cache(const basic_kv_cache&) = delete;
@@ -198,8 +217,8 @@ public:
                                                           std::to_string(cells_.free_count()) + " free");
         placement out;
         std::vector<cell_copy> copies;
-        if constexpr (requires { storage_.plan_place(cells_, pos, seqs); }) {
-            // Layout hook: the layout picks the cells and any copy-on-write of shared cells.
+        if constexpr (has_capability<storage_t, layout_caps::placement_plan>) {
+            // Layout capability: the layout picks the cells and any copy-on-write of shared cells.
             auto plan = storage_.plan_place(cells_, pos, seqs);
             if (!plan) return detail::make_error(plan.code(), plan.message());
             out.cells = std::move(plan.value().cells);
@@ -244,7 +263,8 @@ public:
     tx_result commit() noexcept {
         if (staged_.empty()) return tx_result::nothing_staged;
         staged_.clear();
-        if constexpr (requires { storage_.on_commit(cells_); }) storage_.on_commit(cells_);  // e.g. SWA pruning
+        if constexpr (has_capability<storage_t, layout_caps::commit_hook>)
+            storage_.on_commit(cells_);  // layout capability, e.g. SWA pruning
         return tx_result::committed;
     }
 
@@ -269,8 +289,8 @@ public:
         check_no_tx("seq_rm");
         check_seq("seq_rm", "seq_id", s, true);
         const auto [lo, hi] = range("seq_rm", p0, p1);
-        if constexpr (requires(std::int64_t x) { storage_.check_seq_rm(cells_, s, x, x); })
-            storage_.check_seq_rm(cells_, s, lo, hi);  // (clang 14: no structured bindings inside requires)
+        if constexpr (has_capability<storage_t, layout_caps::seq_rm_check>)
+            storage_.check_seq_rm(cells_, s, lo, hi);  // layout capability: may refuse
         std::vector<std::uint32_t> hit;
         for (std::uint32_t c : cells_.used_cells())
             if (in_range(c, lo, hi) && (s < 0 || cells_.seqs(c).test(s))) hit.push_back(c);
@@ -299,8 +319,10 @@ public:
                                  std::to_string(cells_.pos(c)) + "; seq_rm it first");
             hit.push_back(c);
         }
-        if constexpr (requires(std::int64_t x) { storage_.before_seq_cp(cells_, src, dst, x, x); })
-            storage_.before_seq_cp(cells_, src, dst, lo, hi);
+        if constexpr (has_capability<storage_t, layout_caps::seq_cp_hook>)
+            storage_.before_seq_cp(cells_, src, dst, lo, hi);  // layout capability: may refuse
+        else if constexpr (has_capability<storage_t, layout_caps::seq_cp_check>)
+            storage_.check_seq_cp(cells_, src, dst, lo, hi);
         for (std::uint32_t c : hit) cells_.add_seq(c, dst);
     }
 
@@ -331,7 +353,7 @@ public:
         const auto [lo, hi] = range("seq_add", p0, p1);
         require_shift("seq_add");
         if (delta == 0) return;
-        move_positions("seq_add", s, lo, hi, [delta](pos_t p) { return std::int64_t{p} + delta; });
+        move_positions("seq_add", s, lo, hi, position_move{position_move::op::add, delta});
     }
 
     /// Integer-divides the positions of sequence s (every sequence if s < 0) in [p0, p1)
@@ -343,7 +365,7 @@ public:
         if (d <= 0) detail::fail(errc::invalid_argument, "seq_div: d = " + std::to_string(d) + ", must be > 0");
         require_shift("seq_div");
         if (d == 1) return;
-        move_positions("seq_div", s, lo, hi, [d](pos_t p) { return std::int64_t{p} / d; });
+        move_positions("seq_div", s, lo, hi, position_move{position_move::op::div, d});
     }
 
     /// Frees every cell and drops any staged placement.
@@ -478,10 +500,9 @@ private:
     }
 
     /// Shared implementation of seq_add / seq_div: new position = f(old) as int64.
-    template <class F>
-    void move_positions(const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi, F f) {
-        if constexpr (requires { storage_.check_seq_shift(cells_, fn, s, lo, hi, f); })
-            storage_.check_seq_shift(cells_, fn, s, lo, hi, f);  // layout hook (ring: pruned positions)
+    void move_positions(const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi, position_move f) {
+        if constexpr (has_capability<storage_t, layout_caps::seq_shift_check>)
+            storage_.check_seq_shift(cells_, fn, s, lo, hi, f);  // layout capability (ring: pruned positions)
         std::vector<std::uint32_t> hit;
         std::uint32_t splits = 0;
         for (std::uint32_t c : cells_.used_cells()) {
@@ -502,8 +523,8 @@ private:
         // Split targets: the lowest free cells before the operation, in order of the cells split.
         std::vector<std::uint32_t> targets;
         targets.reserve(splits);
-        if constexpr (requires { storage_.split_targets(cells_, s, splits); })
-            targets = storage_.split_targets(cells_, s, splits);  // layout hook; throws no_space
+        if constexpr (has_capability<storage_t, layout_caps::split_targets>)
+            targets = storage_.split_targets(cells_, s, splits);  // layout capability; paged throws no_space
         else
             for (std::uint32_t c = 0; targets.size() < splits; ++c)
                 if (cells_.is_free(c)) targets.push_back(c);

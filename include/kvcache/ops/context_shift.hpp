@@ -14,6 +14,7 @@
 
 #include "../error.hpp"
 #include "../cells/seq_step.hpp"
+#include "../layout/capabilities.hpp"
 #include "../memory/memory.hpp"
 #include "../model_shape.hpp"
 
@@ -62,9 +63,7 @@ void check_context_shift(const Cache& cache, seq_id_t seq, pos_t n_keep, pos_t d
     if (splits > cache.capacity() - cache.used() + freed)
         detail::fail(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) + " free cells, " +
                                          to_string(cache.capacity() - cache.used() + freed) + " available");
-    if constexpr (requires(std::span<const seq_step> st) {
-                      cache.storage().check_seq_steps(cache.cells(), seq, st, "context_shift");
-                  }) {  // layout hook (ring: both calls checked before the first runs)
+    if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {  // layout capability (ring: both calls checked before the first runs)
         const seq_step steps[] = {{seq_step::op::rm, n_keep, static_cast<pos_t>(moved_from), 0},
                                   {seq_step::op::add, static_cast<pos_t>(moved_from), -1, -discard}};
         cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "context_shift");
@@ -156,10 +155,8 @@ void check_self_extend(const Cache& cache, seq_id_t seq, const self_extend_state
     if (splits > cache.capacity() - cache.used())
         detail::fail(errc::no_space, "self_extend: moving shared cells needs " + to_string(splits) + " free cells, " +
                                          to_string(cache.capacity() - cache.used()) + " free");
-    if constexpr (requires(std::span<const seq_step> steps) {
-                      cache.storage().check_seq_steps(cache.cells(), seq, steps, "self_extend");
-                  }) {
-        std::vector<seq_step> steps;  // layout hook (ring: calls that need pruned positions)
+    if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {
+        std::vector<seq_step> steps;  // layout capability (ring: calls that need pruned positions)
         self_extend_steps(st, n_past, [&](const seq_step& x) { steps.push_back(x); });
         cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "self_extend");
     }

@@ -26,6 +26,7 @@
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../format/kv_view.hpp"
+#include "../layout/capabilities.hpp"
 #include "../memory/memory.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -61,9 +62,11 @@ template <class Cache>
 defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
     static_assert(kv_memory<Cache>, "kvcache: ops::defrag needs a kvcache::kv_memory (see kvcache/memory/memory.hpp)");
     using storage_t = typename Cache::storage_t;
-    static_assert(!requires(storage_t& s) { s.observer(); },
-                  "kvcache::ops::defrag: only for layouts without their own placement (contiguous); paged and "
-                  "ring layouts keep their cells in blocks / regions");
+    static_assert(!has_capability<storage_t, layout_caps::cell_observer> &&
+                      !has_capability<storage_t, layout_caps::placement_plan>,
+                  "kvcache::ops::defrag: only for layouts without their own placement (contiguous); layouts with "
+                  "the cell_observer or placement_plan capability (paged, ring) keep their cells in blocks / "
+                  "regions");
     if (!std::isfinite(p.threshold) || p.threshold < 0.0f || p.threshold > 1.0f)
         detail::fail(errc::invalid_argument,
                      "defrag: threshold = " + std::to_string(p.threshold) + ", must be in [0, 1]");

@@ -21,6 +21,7 @@
 #include <cstdint>  // std::uint64_t
 
 #include "../config.hpp"
+#include "../layout/capabilities.hpp"
 #include "../memory/memory.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -48,7 +49,7 @@ memory_usage part_memory(const Cache& cache) {
     m.reserved_bytes = cache.total_bytes();
     m.used_bytes = std::size_t{cache.used()} * cache.bytes_per_token();
     std::uint64_t held = cache.used();
-    if constexpr (requires { cache.storage().held_cells(cache.cells()); })
+    if constexpr (cache_has_capability<Cache, layout_caps::held_cells>())
         held = cache.storage().held_cells(cache.cells());
     m.held_bytes = static_cast<std::size_t>(held) * cache.bytes_per_token();
     return m;

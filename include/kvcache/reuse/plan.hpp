@@ -22,6 +22,7 @@
 
 #include "../error.hpp"
 #include "../cells/seq_step.hpp"
+#include "../layout/capabilities.hpp"
 #include "../model_shape.hpp"
 #include "../tokens/prompt_tokens.hpp"
 
@@ -242,10 +243,8 @@ void apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
             detail::fail(errc::no_space, "apply_plan: moving chunks needs " + to_string(need) +
                                              " free cells to split shared cells, " +
                                              to_string(cache.capacity() - cache.used()) + " free");
-        if constexpr (requires(std::span<const seq_step> st) {
-                          cache.storage().check_seq_steps(cache.cells(), seq, st, "apply_plan");
-                      }) {
-            std::vector<seq_step> steps;  // layout hook (ring: calls that need pruned positions)
+        if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {
+            std::vector<seq_step> steps;  // layout capability (ring: calls that need pruned positions)
             steps.reserve(2 * p.moves.size() + 1);
             for_each_step(p, [&](const seq_step& st) { steps.push_back(st); });
             cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "apply_plan");
