@@ -15,6 +15,7 @@
 #include "../cells/cell_table.hpp"
 #include "../config.hpp"
 #include "../error.hpp"
+#include "../layout/capabilities.hpp"
 #include "../cells/cell_table.hpp"
 #include "../element/contract.hpp"
 #include "../kernels/attention.hpp"
@@ -401,8 +402,7 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     // when every row belongs to one sequence and the layout can list that sequence's
     // tiles (a paged layout's block table: storage.tile_ranges(seq)), just those.
     ws.ranges_.assign(1, kernels::tile_range{0, n_tiles});
-    if constexpr (requires(const typename Cache::storage_t& st, seq_id_t sq,
-                           std::vector<std::pair<std::uint32_t, std::uint32_t>>& o) { st.tile_ranges(sq, o); }) {
+    if constexpr (cache_has_capability<Cache, layout_caps::tile_ranges>()) {
         bool one_seq = true;
         for (std::uint32_t i = 1; i < n_q; ++i) one_seq = one_seq && q_seq[i] == q_seq[0];
         if (one_seq) {
