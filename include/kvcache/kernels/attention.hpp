@@ -401,9 +401,7 @@ private:
 
     // ---- online softmax of one tile's scores; p_buf[s][j] = exp(logit - m) (0 where masked)
     /// Returns whether some slot's reference max moved (alpha[s]: its rescale factor).
-    /// (Flattened: every call in it inlined but std::exp, as GCC did for the lambda it was;
-    /// as a member function GCC left xsimd::tanh out of line.)
-    [[gnu::flatten]] bool softmax_tile(const tile_mask* mask, fbatch (&sc)[M][B], float* alpha) noexcept {
+    bool softmax_tile(const tile_mask* mask, fbatch (&sc)[M][B], float* alpha) noexcept {
         const float ninf = -std::numeric_limits<float>::infinity();
         bool rescale = false;
         for (std::size_t s = 0; s < M; ++s) {
@@ -545,7 +543,6 @@ private:
                     fbatch (&sc)[M][B]) noexcept {
         const S* kt = k_rows(stile);
         const S* vb = v_rows(vtile);
-        const std::uint32_t dk = dk_, dv = dv_;
         // No software prefetch here: with both streams read at once the hardware prefetchers
         // keep up, and `interleaved` requests in this loop cost 2-12% (Zen 5, A/B).
         fbatch part[M][B];
@@ -570,7 +567,7 @@ private:
         // per piece when the K head size is 1 or 2 pieces' worth per cell (a loop with no
         // branch per step; D = 128: 2 K rows per 64-dimension piece), else spread evenly
         // (Bresenham). The last block is narrower when v_block does not divide dv.
-        const std::uint32_t n_blocks = (dv + v_block - 1) / v_block;
+        const std::uint32_t n_blocks = (dv_ + v_block - 1) / v_block;
         const std::uint32_t nv = n_blocks * k_tile;  // V pieces per tile
         std::uint32_t err = 0;
         auto block = [&](std::uint32_t blk, auto vw_tag, auto rows_tag) {
@@ -583,14 +580,14 @@ private:
             fbatch a[M][VW];
             for (std::size_t s = 0; s < M; ++s)
                 for (std::size_t v = 0; v < VW; ++v) {
-                    a[s][v] = fbatch::load_unaligned(ab + s * dv + v * L);
+                    a[s][v] = fbatch::load_unaligned(ab + s * dv_ + v * L);
                     if (rescale) a[s][v] *= fbatch(alpha[s]);
                 }
             for (std::uint32_t j = 0; j < k_tile; ++j) {
                 if constexpr (R > 0)
                     for (std::size_t r = 0; r < R; ++r) score_row();
                 else
-                    for (err += dk; err >= nv; err -= nv) score_row();
+                    for (err += dk_; err >= nv; err -= nv) score_row();
                 fbatch vr[VW];
                 for (std::size_t v = 0; v < VW; ++v) vr[v] = simd::load(vp + j * w + v * L);
                 for (std::size_t s = 0; s < M; ++s) {
@@ -599,29 +596,29 @@ private:
                 }
             }
             for (std::size_t s = 0; s < M; ++s)
-                for (std::size_t v = 0; v < VW; ++v) a[s][v].store_unaligned(ab + s * dv + v * L);
+                for (std::size_t v = 0; v < VW; ++v) a[s][v].store_unaligned(ab + s * dv_ + v * L);
         };
         using full = std::integral_constant<std::size_t, v_block / L>;
         using bresenham = std::integral_constant<std::size_t, 0>;
         if constexpr (!can_fuse) {
             // (Never called: `fuse` is false. Not instantiating the blocks keeps builds with
             // narrower vectors from compiling dead loops of v_block / L accumulators each.)
-        } else if (dv % v_block == 0 && nv == dk) {
+        } else if (dv_ % v_block == 0 && nv == dk_) {
             for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 1>{});
-        } else if (dv % v_block == 0 && 2 * nv == dk) {
+        } else if (dv_ % v_block == 0 && 2 * nv == dk_) {
             for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 2>{});
         } else {
             for (std::uint32_t blk = 0; blk + 1 < n_blocks; ++blk) block(blk, full{}, bresenham{});
             // The last block: full, or 1 to v_block / L - 1 vectors wide (dv is a multiple of L).
             const std::uint32_t last = n_blocks - 1;
-            switch ((dv - last * v_block) / L) {
+            switch ((dv_ - last * v_block) / L) {
                 case 1: block(last, std::integral_constant<std::size_t, 1>{}, bresenham{}); break;
                 case 2: block(last, std::integral_constant<std::size_t, 2>{}, bresenham{}); break;
                 case 3: block(last, std::integral_constant<std::size_t, 3>{}, bresenham{}); break;
                 default: block(last, full{}, bresenham{}); break;
             }
         }
-        while (d < dk) score_row();
+        while (d < dk_) score_row();
         for (std::size_t s = 0; s < M; ++s)
             for (std::size_t b = 0; b < B; ++b) sc[s][b] = part[s][b];
     }
