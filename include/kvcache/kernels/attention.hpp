@@ -164,8 +164,14 @@ struct in_place_tiles {};
 /// Scratch: p_buf M x k_tile floats, vt_buf k_tile x dv floats (transposed V only), q_buf dk x M floats.
 /// Conv: in_place_tiles (K / V read in place: f32 / f16 / bf16), or a converted_tiles
 /// (tile_source.hpp) that converts each tile into its own f32 scratch.
-/// The stages were lambdas of one function before; they keep the inlining GCC chose
-/// for them then (none is forced), so the hot loops' machine code is the same.
+/// The stages were lambdas of one function (attend_item) before 2026-11-25. Their hot
+/// loops compile to the same machine code as then (GCC 12, -O3 -march=native, compared
+/// loop by loop with registers renamed): run() is forced inline into attend_item so the
+/// stages' out-of-line calls share its frame as before, visible_mask / tile_ahead are
+/// forced inline (as templates GCC stopped inlining them), and fused_tile reads dk_ /
+/// dv_ through the object as the lambda read them through its captures (local copies
+/// cost a register in the fused loop, which then reloaded its bound from the stack).
+/// Keep that in mind when editing: check the loops, not only the tests.
 template <std::size_t M, class T, class Seqs, class Conv = in_place_tiles>
 class attention_kernel {
     static constexpr bool in_place = std::is_same_v<Conv, in_place_tiles>;
