@@ -1,5 +1,10 @@
 // kvcache kernels: flash-style attention over tiled K / row-major or transposed V.
 //
+// The kernel is an object (attention_kernel) holding one work item's state; its member
+// functions are the stages: load the queries, find the next visible tile, score a tile,
+// the online-softmax update, accumulate V, the fused K/V loop of decode, finalize.
+// attend_item() builds one and runs it.
+//
 // Assumptions (checked by the caller, ops/attention.hpp):
 // - K is tiled (format/kv_view.hpp): tile t of head h holds cells [32t, 32t+32)
 //   one dimension per row (rows in RoPE pair order: q is permuted to match), so the
@@ -8,7 +13,9 @@
 // - A work item is one KV head, up to M "slots" (query row x query head of the GQA
 //   group) and a list of tile ranges (cells [32*t0, 32*t1)); the contiguous layout
 //   passes one range, a paged layout its blocks, split-K a part of them.
-// - Visibility comes from attn_meta (built once per call): a tile no slot can see is
+// - Visibility comes from attn_meta (built by ops, once per call or once per decode
+//   step): plain per-tile summaries, the cells' positions and the op's view of their
+//   sequence membership (kernels/ knows no cell type). A tile no slot can see is
 //   skipped without touching its K/V; inside a tile, V of a cell no slot sees is never
 //   read, and masked K lanes are replaced by -inf before any use (free cells may hold
 //   garbage or NaN).
@@ -37,9 +44,8 @@
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
 #include <limits>   // infinity
-#include <type_traits>  // std::true_type
+#include <type_traits>  // std::conditional_t, std::integral_constant
 
-#include "../cells/seq_set.hpp"
 #include "../config.hpp"
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
@@ -61,10 +67,14 @@ struct tile_meta {
     tile_mask occ = 0;          ///< bit j: cell 32t+j is occupied (and below n)
 };
 
-/// Per-call cell metadata the kernel masks with (cells [0, n)).
+/// Per-call cell metadata the kernel masks with (cells [0, n)), built by the op.
+/// Seqs is the op's view of the cells' sequence membership (kernels/ knows no cell
+/// type): `seqs.test(c, s)` is true when cell c is used by sequence s; the kernel asks
+/// only for cells of tiles that mix sequences (tile_meta::sid == -2).
+template <class Seqs>
 struct attn_meta {
     const pos_t* pos = nullptr;        ///< cell positions (-1 free)
-    const seq_set* seqs = nullptr;     ///< per cell sequence sets (read for tiles that mix sequences)
+    Seqs seqs{};                       ///< per cell sequence membership (read for tiles that mix sequences)
     const tile_meta* tiles = nullptr;  ///< per tile summary
 };
 
@@ -77,8 +87,10 @@ struct attn_slot {
 };
 
 /// Visibility of tile t's cells for one slot (bit j: cell 32t+j).
-inline tile_mask visible_mask(const attn_meta& m, std::uint32_t t, const attn_slot& s,
-                                  std::int32_t window) noexcept {
+/// (Forced inline: GCC inlined it into the kernel's tile search when it was no template.)
+template <class Seqs>
+[[gnu::always_inline]] inline tile_mask visible_mask(const attn_meta<Seqs>& m, std::uint32_t t, const attn_slot& s,
+                              std::int32_t window) noexcept {
     if (!s.active) return 0;
     const tile_meta& tm = m.tiles[t];
     if (tm.occ == 0 || (tm.sid >= 0 && tm.sid != s.qs) || tm.pmin > s.qp) return 0;
@@ -91,7 +103,7 @@ inline tile_mask visible_mask(const attn_meta& m, std::uint32_t t, const attn_sl
         const std::uint32_t c = t * k_tile + j;
         const pos_t p = m.pos[c];
         if (p > s.qp || p <= lo) continue;
-        if (m.seqs[c].test(s.qs)) mask |= 1u << j;
+        if (m.seqs.test(c, s.qs)) mask |= 1u << j;
     }
     return mask;
 }
@@ -108,7 +120,7 @@ inline constexpr std::uint32_t prefetch_tiles = 1;
 /// The tile `ahead` steps after tile t of ranges[r] in visiting order, crossing into the
 /// following ranges (a paged layout's scattered blocks are ranges of one block each);
 /// t itself when the ranges end sooner.
-inline std::uint32_t tile_ahead(const tile_range* ranges, std::size_t n_ranges, std::size_t r, std::uint32_t t,
+[[gnu::always_inline]] inline std::uint32_t tile_ahead(const tile_range* ranges, std::size_t n_ranges, std::size_t r, std::uint32_t t,
                                 std::uint32_t ahead = prefetch_tiles) noexcept {
     std::uint32_t left = ahead;
     if (left == 0) return t;
@@ -119,33 +131,6 @@ inline std::uint32_t tile_ahead(const tile_range* ranges, std::size_t n_ranges, 
         left -= avail;
     }
     return t;
-}
-
-/// K tile `tile` of head h as the kernel reads it: in place, or converted by conv.
-template <class T, class... Conv>
-inline auto k_rows_of(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile,
-                      const Conv&... conv) noexcept {
-    if constexpr (sizeof...(Conv) == 0)
-        return kv.k_tile_ptr(h, tile);
-    else
-        return (conv.k_rows(kv, h, tile), ...);
-}
-/// Row-major V tile `tile` of head h as the kernel reads it.
-template <class T, class... Conv>
-inline auto v_rows_of(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile,
-                      const Conv&... conv) noexcept {
-    if constexpr (sizeof...(Conv) == 0)
-        return kv.v_tile_ptr(h, tile);
-    else
-        return (conv.v_rows(kv, h, tile), ...);
-}
-/// One cell's transposed V row (n values stride apart) as floats.
-template <class T, class... Conv>
-inline void v_column_of(const T* src, std::size_t stride, float* dst, std::size_t n, const Conv&... conv) noexcept {
-    if constexpr (sizeof...(Conv) == 0)
-        simd::to_floats(src, stride, dst, n);
-    else
-        (conv.v_column(src, stride, dst, n), ...);
 }
 
 /// How far (in logits) the running max may lag behind the true max before the kernel
@@ -170,103 +155,190 @@ struct attn_shape {
     bool interleaved_prefetch = false;  ///< see ops::prefetch_mode
 };
 
-/// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st.
+/// Where the kernel reads tiles when they need no conversion (storage with SIMD loads).
+struct in_place_tiles {};
+
+/// One work item of the attention kernel: kv head h of view `kv`, M slots, the tiles of
+/// `ranges`, accumulating into st. The member functions are the stages; run() is the
+/// whole item (a software pipeline over the visible tiles, then finalize()).
 /// Scratch: p_buf M x k_tile floats, vt_buf k_tile x dv floats (transposed V only), q_buf dk x M floats.
-/// conv: none (K / V read in place: storage with SIMD loads, f32 / f16 / bf16), or one
-/// converted_tiles (tile_source.hpp) that converts each tile into its own f32 scratch.
-/// (A pack rather than a defaulted parameter: with none, the function is exactly the one
-/// the built-in elements had before, same arguments and same machine code.)
-template <std::size_t M, class T, class... Conv>
-void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta& meta, const attn_shape& sh,
-                 const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges, attn_state<M>& st,
-                 float* p_buf, float* vt_buf, float* q_buf, const Conv&... conv) noexcept {
-    static_assert(sizeof...(Conv) <= 1, "attend_item: at most one tile converter");
-    using S = std::conditional_t<sizeof...(Conv) == 0, T, float>;  // what the loads read
-    using simd::fbatch;
-    constexpr std::size_t L = simd::lanes;
-    constexpr std::size_t B = k_tile / L;  // sub-batches per tile
+/// Conv: in_place_tiles (K / V read in place: f32 / f16 / bf16), or a converted_tiles
+/// (tile_source.hpp) that converts each tile into its own f32 scratch.
+/// The stages were lambdas of one function (attend_item) before 2026-11-25. Their hot
+/// loops compile to the same machine code as then (GCC 12, -O3 -march=native, compared
+/// loop by loop with registers renamed): run() is forced inline into attend_item so the
+/// stages' out-of-line calls share its frame as before, visible_mask / tile_ahead are
+/// forced inline (as templates GCC stopped inlining them), and fused_tile reads dk_ /
+/// dv_ through the object as the lambda read them through its captures (local copies
+/// cost a register in the fused loop, which then reloaded its bound from the stack).
+/// Keep that in mind when editing: check the loops, not only the tests.
+template <std::size_t M, class T, class Seqs, class Conv = in_place_tiles>
+class attention_kernel {
+    static constexpr bool in_place = std::is_same_v<Conv, in_place_tiles>;
+    using S = std::conditional_t<in_place, T, float>;  // what the loads read
+    using fbatch = simd::fbatch;
+    static constexpr std::size_t L = simd::lanes;
+    static constexpr std::size_t B = k_tile / L;  // sub-batches per tile
     // Independent FMA chains in the score loop: at least 8 (latency x pipes) when M is small.
-    constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
+    static constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
     // V accumulation in groups of MG slots and VB d-blocks: MG x VB accumulators (16 for
     // M >= 4), each converted V vector feeds MG FMAs and each broadcast p feeds VB.
     // An FMA fed by its own broadcast ran at 0.71-0.78 cycles on Zen 5 against 0.53 when
     // one broadcast feeds 4 FMAs (bench/README.md, decode cycles), so VB >= 2
     // even for M = 16 (two groups of 8: each V vector is converted twice, but half as
     // many broadcasts are issued as with one group and VB = 1).
-    constexpr std::size_t MG = M > 8 ? 8 : M;
-    constexpr std::size_t VB = MG == 8 ? 2 : 4;
+    static constexpr std::size_t MG = M > 8 ? 8 : M;
+    static constexpr std::size_t VB = MG == 8 ? 2 : 4;
     static_assert(M % MG == 0, "slot count must be a multiple of the V group");
-    const float ninf = -std::numeric_limits<float>::infinity();
-    const std::uint32_t dk = sh.dk, dv = sh.dv;
-    const bool vt = kv.vl == v_layout::transposed;
-    // The M queries, pre-scaled, interleaved [K row][slot]: one base pointer for every
-    // broadcast; dimension d goes to the row that holds it in K (kv.k_row: RoPE pair
-    // order, a permutation only for NeoX). Slot-major: each query row is read in address
-    // order (d-major reads touched 16 rows' lines at once and stalled on them: ~10% of a
-    // 512-row prefill on Zen 5).
-    std::uint32_t d_done = 0;  // dimensions [0, d_done) already in q_buf
+    // Score slot groups of at most SG = 8 (see score_tile).
+    static constexpr std::size_t SG = M > 8 ? 8 : M;
+    // The fused K/V loop (see fused_tile): up to 4 slots, 16-lane vectors.
+    static constexpr bool can_fuse = M <= 4 && L == 16;
+    static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
+
+public:
+    attention_kernel(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta<Seqs>& meta,
+                     const attn_shape& sh, const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges,
+                     attn_state<M>& st, float* p_buf, float* vt_buf, float* q_buf, const Conv* conv) noexcept
+        : kv_(kv), h_(h), meta_(meta), sh_(sh), slots_(slots), ranges_(ranges), n_ranges_(n_ranges), st_(st),
+          p_buf_(p_buf), vt_buf_(vt_buf), q_buf_(q_buf), conv_(conv), dk_(sh.dk), dv_(sh.dv),
+          vt_(kv.vl == v_layout::transposed) {}
+
+    /// The whole work item: queries, the pipeline over the visible tiles, finalize().
+    /// (Inlined into attend_item, which the ops call: the frame the stages' out-of-line
+    /// calls share is attend_item's, as when the stages were its lambdas.)
+    [[gnu::always_inline]] inline void run() noexcept {
+        load_queries();
+        start();
+        const bool fuse = can_fuse && !vt_ && dv_ % L == 0;
+        // Software pipeline: the scores of the next visible tile are computed together with
+        // the V update of the current one.
+        tile_mask mask[M], any = 0;
+        if (next_tile(mask, any)) {
+            std::uint32_t cur = t_++;
+            fbatch sc[M][B];
+            score_tile(cur, sc);
+            float alpha[M];
+            bool rescale = softmax_tile(mask, sc, alpha);
+            for (;;) {
+                tile_mask mask2[M], any2 = 0;
+                const bool more = next_tile(mask2, any2);
+                const std::uint32_t nxt = more ? t_++ : 0;
+                if (more && fuse && any == k_tile_full) {
+                    fused_tile(cur, alpha, rescale, nxt, sc);
+                } else {
+                    accumulate_tile(cur, any, alpha, rescale);
+                    if (more) score_tile(nxt, sc);
+                }
+                if (!more) break;
+                rescale = softmax_tile(mask2, sc, alpha);
+                cur = nxt;
+                any = any2;
+            }
+        }
+        finalize();
+    }
+
+private:
+    // ---- where tiles are read: in place, or converted by conv_ (tile_source.hpp)
+
+    /// K tile `tile` of head h as the kernel reads it.
+    const S* k_rows(std::uint32_t tile) const noexcept {
+        if constexpr (in_place)
+            return kv_.k_tile_ptr(h_, tile);
+        else
+            return conv_->k_rows(kv_, h_, tile);
+    }
+    /// Row-major V tile `tile` of head h as the kernel reads it.
+    const S* v_rows(std::uint32_t tile) const noexcept {
+        if constexpr (in_place)
+            return kv_.v_tile_ptr(h_, tile);
+        else
+            return conv_->v_rows(kv_, h_, tile);
+    }
+    /// One cell's transposed V row (n values stride apart) as floats.
+    void v_column(const T* src, std::size_t stride, float* dst, std::size_t n) const noexcept {
+        if constexpr (in_place)
+            simd::to_floats(src, stride, dst, n);
+        else
+            conv_->v_column(src, stride, dst, n);
+    }
+
+    // ---- the queries
+    /// The M queries, pre-scaled, interleaved [K row][slot] into q_buf: one base pointer
+    /// for every broadcast; dimension d goes to the row that holds it in K (kv.k_row: RoPE
+    /// pair order, a permutation only for NeoX). Slot-major: each query row is read in
+    /// address order (d-major reads touched 16 rows' lines at once and stalled on them:
+    /// ~10% of a 512-row prefill on Zen 5).
+    void load_queries() noexcept {
+        const attn_slot* const slots = slots_;
+        float* const q_buf = q_buf_;
+        const std::uint32_t dk = dk_;
+        std::uint32_t d_done = 0;  // dimensions [0, d_done) already in q_buf
 #if defined(__AVX512F__)
-    // 16 slots with 16 lanes: 16 x 16 blocks transposed in registers. One scalar store per
-    // element cost ~7% of a 512 x 512 prefill on Zen 5 (2048 stores per work item).
-    if constexpr (M == 16 && L == 16) {
-        for (; d_done + 16 <= dk; d_done += 16) {
-            __m512 r[16];
-            for (std::size_t s = 0; s < M; ++s)
-                r[s] = slots[s].active ? _mm512_mul_ps(_mm512_loadu_ps(slots[s].q + d_done), _mm512_set1_ps(sh.scale))
-                                       : _mm512_setzero_ps();
-            simd::transpose16(r);
-            for (std::uint32_t k = 0; k < 16; ++k) _mm512_storeu_ps(q_buf + std::size_t{kv.k_row(d_done + k)} * M, r[k]);
+        // 16 slots with 16 lanes: 16 x 16 blocks transposed in registers. One scalar store per
+        // element cost ~7% of a 512 x 512 prefill on Zen 5 (2048 stores per work item).
+        if constexpr (M == 16 && L == 16) {
+            for (; d_done + 16 <= dk; d_done += 16) {
+                __m512 r[16];
+                for (std::size_t s = 0; s < M; ++s)
+                    r[s] = slots[s].active ? _mm512_mul_ps(_mm512_loadu_ps(slots[s].q + d_done), _mm512_set1_ps(sh_.scale))
+                                           : _mm512_setzero_ps();
+                simd::transpose16(r);
+                for (std::uint32_t k = 0; k < 16; ++k) _mm512_storeu_ps(q_buf + std::size_t{kv_.k_row(d_done + k)} * M, r[k]);
+            }
+        }
+#endif
+        for (std::size_t s = 0; s < M && d_done < dk; ++s) {
+            float* col = q_buf + s;
+            const float* q = slots[s].q;
+            if (slots[s].active)
+                for (std::uint32_t d = d_done; d < dk; ++d) col[std::size_t{kv_.k_row(d)} * M] = q[d] * sh_.scale;
+            else
+                for (std::uint32_t d = d_done; d < dk; ++d) col[std::size_t{kv_.k_row(d)} * M] = 0.0f;
         }
     }
-#endif
-    for (std::size_t s = 0; s < M && d_done < dk; ++s) {
-        float* col = q_buf + s;
-        const float* q = slots[s].q;
-        if (slots[s].active)
-            for (std::uint32_t d = d_done; d < dk; ++d) col[std::size_t{kv.k_row(d)} * M] = q[d] * sh.scale;
-        else
-            for (std::uint32_t d = d_done; d < dk; ++d) col[std::size_t{kv.k_row(d)} * M] = 0.0f;
+
+    /// Softmax sums into lanes, the masks' shortcut and the first tile.
+    void start() noexcept {
+        // Per-lane partial sums of exp(logit - m): one horizontal add per item, not per tile.
+        // (L is a power of two, so st.l / L spread over the lanes of block 0 sums back exactly.)
+        for (std::size_t s = 0; s < M; ++s)
+            for (std::size_t b = 0; b < B; ++b) lsum_[s][b] = fbatch(b == 0 ? st_.l[s] / static_cast<float>(L) : 0.0f);
+        // Slots that see exactly what the previous slot sees (the query heads of one row):
+        // their masks are copied instead of recomputed.
+        for (std::size_t s = 0; s < M; ++s)
+            same_as_prev_[s] = s > 0 && slots_[s].active == slots_[s - 1].active && slots_[s].qp == slots_[s - 1].qp &&
+                               slots_[s].qs == slots_[s - 1].qs;
+        r_ = 0;
+        t_ = n_ranges_ > 0 ? ranges_[0].t0 : 0;
+        pf_t_ = 0;
     }
 
-    // Per-lane partial sums of exp(logit - m): one horizontal add per item, not per tile.
-    // (L is a power of two, so st.l / L spread over the lanes of block 0 sums back exactly.)
-    fbatch lsum[M][B];
-    for (std::size_t s = 0; s < M; ++s)
-        for (std::size_t b = 0; b < B; ++b) lsum[s][b] = fbatch(b == 0 ? st.l[s] / static_cast<float>(L) : 0.0f);
-
-    // Slots that see exactly what the previous slot sees (the query heads of one row):
-    // their masks are copied instead of recomputed.
-    bool same_as_prev[M];
-    for (std::size_t s = 0; s < M; ++s)
-        same_as_prev[s] = s > 0 && slots[s].active == slots[s - 1].active && slots[s].qp == slots[s - 1].qp &&
-                          slots[s].qs == slots[s - 1].qs;
-
-    // Visible tiles in visiting order: next_tile() advances (r, t) to the next tile some
-    // slot sees and fills its masks.
-    std::size_t r = 0;
-    std::uint32_t t = n_ranges > 0 ? ranges[0].t0 : 0;
-    std::uint32_t pf_t = 0;  // tile whose K/V the interleaved prefetch asks for
-    auto next_tile = [&](tile_mask* mask, tile_mask& any) -> bool {
-        for (; r < n_ranges; ++r, t = r < n_ranges ? ranges[r].t0 : 0) {
-            for (; t < ranges[r].t1; ++t) {
-                mask[0] = visible_mask(meta, t, slots[0], sh.window);
+    // ---- visible tiles
+    /// Advances (r, t) to the next tile in visiting order that some slot sees and fills
+    /// its masks; false when the ranges are done.
+    bool next_tile(tile_mask* mask, tile_mask& any) noexcept {
+        for (; r_ < n_ranges_; ++r_, t_ = r_ < n_ranges_ ? ranges_[r_].t0 : 0) {
+            for (; t_ < ranges_[r_].t1; ++t_) {
+                mask[0] = visible_mask(meta_, t_, slots_[0], sh_.window);
                 any = mask[0];
                 for (std::size_t s = 1; s < M; ++s) {
-                    mask[s] = same_as_prev[s] ? mask[s - 1] : visible_mask(meta, t, slots[s], sh.window);
+                    mask[s] = same_as_prev_[s] ? mask[s - 1] : visible_mask(meta_, t_, slots_[s], sh_.window);
                     any |= mask[s];
                 }
                 if (any != 0) {
-                    pf_t = tile_ahead(ranges, n_ranges, r, t);
-                    if (sh.burst_prefetch && pf_t != t) {
+                    pf_t_ = tile_ahead(ranges_, n_ranges_, r_, t_);
+                    if (sh_.burst_prefetch && pf_t_ != t_) {
                         // Burst: all of the K tile and V rows prefetch_tiles ahead, now. Written
                         // out here on purpose: in a helper function of their own, GCC deems the
                         // prefetches side-effect free and deletes the call.
-                        const char* pk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
-                        const std::size_t k_bytes = std::size_t{k_tile} * kv.dim_k * sizeof(T);
+                        const char* pk = reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_));
+                        const std::size_t k_bytes = std::size_t{k_tile} * kv_.dim_k * sizeof(T);
                         for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2);
-                        if (!vt) {
-                            const char* pv = reinterpret_cast<const char*>(kv.v_tile_ptr(h, pf_t));
-                            const std::size_t v_bytes = std::size_t{k_tile} * kv.dim_v * sizeof(T);
+                        if (!vt_) {
+                            const char* pv = reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
+                            const std::size_t v_bytes = std::size_t{k_tile} * kv_.dim_v * sizeof(T);
                             for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(pv + off, 0, 2);
                         }
                     }
@@ -275,28 +347,28 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             }
         }
         return false;
-    };
+    }
 
     // ---- scores: sc[s] = q_s . K[:, cells of the tile]
     // In slot groups of at most SG = 8: 16 accumulators. With all 16 prefill slots at once
     // (32 accumulators + 2 K rows + a broadcast) GCC kept three accumulators on the stack,
     // an extra load and store per step on each; the second group re-reads the tile's K
     // rows from L1 and converts them again (512 x 512 prefill: 0.99-1.02x, mean 1.007x).
-    constexpr std::size_t SG = M > 8 ? 8 : M;
-    auto score_tile = [&](std::uint32_t tile, fbatch (&sc)[M][B]) {
-        const S* kt = k_rows_of(kv, h, tile, conv...);
+    void score_tile(std::uint32_t tile, fbatch (&sc)[M][B]) noexcept {
+        const S* kt = k_rows(tile);
+        const std::uint32_t dk = dk_;
         // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
         // line of each per step of the loop below (same byte offset in both).
-        const char* pfk = reinterpret_cast<const char*>(kv.k_tile_ptr(h, pf_t));
-        const char* pfv = reinterpret_cast<const char*>(kv.v_tile_ptr(h, pf_t));
-        const bool pf_v = !vt;
+        const char* pfk = reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_));
+        const char* pfv = reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
+        const bool pf_v = !vt_;
         for (std::size_t g = 0; g < M; g += SG) {
-            const bool pf_k = sh.interleaved_prefetch && g == 0;
+            const bool pf_k = sh_.interleaved_prefetch && g == 0;
             fbatch part[KC][SG][B];
             for (std::size_t c = 0; c < KC; ++c)
                 for (std::size_t s = 0; s < SG; ++s)
                     for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
-            const float* const qb = q_buf + g;
+            const float* const qb = q_buf_ + g;
             std::uint32_t d = 0;
             for (; d + KC <= dk; d += KC) {
                 if (pf_k) {
@@ -331,15 +403,17 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                     sc[g + s][b] = v;
                 }
         }
-    };
+    }
 
     // ---- online softmax of one tile's scores; p_buf[s][j] = exp(logit - m) (0 where masked)
-    auto softmax_tile = [&](const tile_mask* mask, fbatch (&sc)[M][B], float* alpha) -> bool {
+    /// Returns whether some slot's reference max moved (alpha[s]: its rescale factor).
+    bool softmax_tile(const tile_mask* mask, fbatch (&sc)[M][B], float* alpha) noexcept {
+        const float ninf = -std::numeric_limits<float>::infinity();
         bool rescale = false;
         for (std::size_t s = 0; s < M; ++s) {
             alpha[s] = 1.0f;
             if (mask[s] == 0) {
-                for (std::size_t b = 0; b < B; ++b) fbatch(0.0f).store_unaligned(p_buf + s * k_tile + b * L);
+                for (std::size_t b = 0; b < B; ++b) fbatch(0.0f).store_unaligned(p_buf_ + s * k_tile + b * L);
                 continue;
             }
             const bool partial = mask[s] != k_tile_full;
@@ -347,16 +421,16 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             // rescale_margin, so most tiles skip the rescale; p <= e^8 cannot overflow.
             // The test is one vector compare per batch; the horizontal max is only
             // computed when the reference has to move.
-            const fbatch thr(st.m[s] + rescale_margin);  // -inf while nothing was seen
-            bool above = st.m[s] == ninf;
+            const fbatch thr(st_.m[s] + rescale_margin);  // -inf while nothing was seen
+            bool above = st_.m[s] == ninf;
             for (std::size_t b = 0; b < B; ++b) {
                 fbatch x = sc[s][b];
-                if (sh.softcap > 0.0f) x = fbatch(sh.softcap) * xsimd::tanh(x / fbatch(sh.softcap));
+                if (sh_.softcap > 0.0f) x = fbatch(sh_.softcap) * xsimd::tanh(x / fbatch(sh_.softcap));
                 if (partial) x = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
                 sc[s][b] = x;
                 above = above || xsimd::any(x > thr);
             }
-            float m_new = st.m[s];
+            float m_new = st_.m[s];
             if (above) {
                 float tmax = ninf;
                 for (std::size_t b = 0; b < B; ++b) {
@@ -365,93 +439,99 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 }
                 m_new = tmax;
             }
-            if (m_new != st.m[s]) {
-                alpha[s] = st.m[s] == ninf ? 0.0f : std::exp(st.m[s] - m_new);
+            if (m_new != st_.m[s]) {
+                alpha[s] = st_.m[s] == ninf ? 0.0f : std::exp(st_.m[s] - m_new);
                 rescale = true;
-                st.m[s] = m_new;
+                st_.m[s] = m_new;
             }
             for (std::size_t b = 0; b < B; ++b) {
                 fbatch pb = simd::exp_bounded(sc[s][b] - fbatch(m_new));
                 if (partial)
                     pb = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), pb, fbatch(0.0f));
-                pb.store_unaligned(p_buf + s * k_tile + b * L);
-                lsum[s][b] = xsimd::fma(lsum[s][b], fbatch(alpha[s]), pb);
+                pb.store_unaligned(p_buf_ + s * k_tile + b * L);
+                lsum_[s][b] = xsimd::fma(lsum_[s][b], fbatch(alpha[s]), pb);
             }
         }
         return rescale;
-    };
+    }
 
     // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j] over the cells in `any`
-    auto accumulate_tile = [&](std::uint32_t tile, tile_mask any, const float* alpha, bool rescale) {
-        if (vt) {
+    void accumulate_tile(std::uint32_t tile, tile_mask any, const float* alpha, bool rescale) noexcept {
+        const std::uint32_t dv = dv_;
+        if (vt_) {
             // Transposed V: gather the visible cells' rows into row-major scratch.
             for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                 const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                v_column_of(kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile + j, kv.n_cells_pad,
-                            vt_buf + std::size_t{j} * dv, dv, conv...);
+                v_column(kv_.v + h_ * kv_.v_head_stride + std::size_t{tile} * k_tile + j, kv_.n_cells_pad,
+                         vt_buf_ + std::size_t{j} * dv, dv);
             }
         }
-        const S* vtile = vt ? nullptr : v_rows_of(kv, h, tile, conv...);
-        // Element (cell j, dimension d) of the tile: at(j, d) into V blocks (format/kv_view.hpp) or the scratch rows.
-        auto accumulate = [&](auto* src, auto&& at) {
-            std::uint32_t d = 0;
-            for (; d + VB * L <= dv; d += VB * L) {
-                for (std::size_t g = 0; g < M; g += MG) {  // slot groups: MG x VB accumulators
-                    fbatch a[MG][VB];
-                    for (std::size_t s = 0; s < MG; ++s)
-                        for (std::size_t v = 0; v < VB; ++v) {
-                            a[s][v] = fbatch::load_unaligned(st.acc + (g + s) * dv + d + v * L);
-                            if (rescale) a[s][v] *= fbatch(alpha[g + s]);
-                        }
-                    auto cell = [&](std::uint32_t j) {
-                        fbatch vr[VB];
-                        for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + at(j, d + v * L));
-                        for (std::size_t s = 0; s < MG; ++s) {
-                            const fbatch pj = simd::broadcast(p_buf + (g + s) * k_tile + j);
-                            for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
-                        }
-                    };
-                    if (any == k_tile_full) {
-                        for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
-                    } else {
-                        for (tile_mask bits = any; bits != 0; bits &= bits - 1)
-                            cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
+        const S* vtile = vt_ ? nullptr : v_rows(tile);
+        if (!vt_)
+            accumulate(vtile, [&kv = kv_](std::uint32_t j, std::uint32_t d) { return kv.v_in_tile(j, d); }, any, alpha,
+                       rescale);
+        else
+            accumulate(static_cast<const float*>(vt_buf_),
+                       [dv](std::uint32_t j, std::uint32_t d) { return std::size_t{j} * dv + d; }, any, alpha, rescale);
+    }
+
+    /// The V update of accumulate_tile on one tile's rows: element (cell j, dimension d)
+    /// of the tile is src[at(j, d)], into V blocks (format/kv_view.hpp) or the scratch rows.
+    template <class Src, class At>
+    void accumulate(const Src* src, At&& at, tile_mask any, const float* alpha, bool rescale) noexcept {
+        const std::uint32_t dv = dv_;
+        std::uint32_t d = 0;
+        for (; d + VB * L <= dv; d += VB * L) {
+            for (std::size_t g = 0; g < M; g += MG) {  // slot groups: MG x VB accumulators
+                fbatch a[MG][VB];
+                for (std::size_t s = 0; s < MG; ++s)
+                    for (std::size_t v = 0; v < VB; ++v) {
+                        a[s][v] = fbatch::load_unaligned(st_.acc + (g + s) * dv + d + v * L);
+                        if (rescale) a[s][v] *= fbatch(alpha[g + s]);
                     }
-                    for (std::size_t s = 0; s < MG; ++s)
-                        for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st.acc + (g + s) * dv + d + v * L);
+                auto cell = [&](std::uint32_t j) {
+                    fbatch vr[VB];
+                    for (std::size_t v = 0; v < VB; ++v) vr[v] = simd::load(src + at(j, d + v * L));
+                    for (std::size_t s = 0; s < MG; ++s) {
+                        const fbatch pj = simd::broadcast(p_buf_ + (g + s) * k_tile + j);
+                        for (std::size_t v = 0; v < VB; ++v) a[s][v] = xsimd::fma(pj, vr[v], a[s][v]);
+                    }
+                };
+                if (any == k_tile_full) {
+                    for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
+                } else {
+                    for (tile_mask bits = any; bits != 0; bits &= bits - 1)
+                        cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
                 }
+                for (std::size_t s = 0; s < MG; ++s)
+                    for (std::size_t v = 0; v < VB; ++v) a[s][v].store_unaligned(st_.acc + (g + s) * dv + d + v * L);
             }
-            for (; d + L <= dv; d += L) {
-                fbatch a[M];
-                for (std::size_t s = 0; s < M; ++s) {
-                    a[s] = fbatch::load_unaligned(st.acc + s * dv + d);
-                    if (rescale) a[s] *= fbatch(alpha[s]);
-                }
+        }
+        for (; d + L <= dv; d += L) {
+            fbatch a[M];
+            for (std::size_t s = 0; s < M; ++s) {
+                a[s] = fbatch::load_unaligned(st_.acc + s * dv + d);
+                if (rescale) a[s] *= fbatch(alpha[s]);
+            }
+            for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
+                const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                const fbatch vr = simd::load(src + at(j, d));
+                for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(simd::broadcast(p_buf_ + s * k_tile + j), vr, a[s]);
+            }
+            for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st_.acc + s * dv + d);
+        }
+        for (; d < dv; ++d) {
+            for (std::size_t s = 0; s < M; ++s) {
+                float a = st_.acc[s * dv + d];
+                if (rescale) a *= alpha[s];
                 for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
                     const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                    const fbatch vr = simd::load(src + at(j, d));
-                    for (std::size_t s = 0; s < M; ++s) a[s] = xsimd::fma(simd::broadcast(p_buf + s * k_tile + j), vr, a[s]);
+                    a += p_buf_[s * k_tile + j] * simd::to_float(src[at(j, d)]);
                 }
-                for (std::size_t s = 0; s < M; ++s) a[s].store_unaligned(st.acc + s * dv + d);
+                st_.acc[s * dv + d] = a;
             }
-            for (; d < dv; ++d) {
-                for (std::size_t s = 0; s < M; ++s) {
-                    float a = st.acc[s * dv + d];
-                    if (rescale) a *= alpha[s];
-                    for (tile_mask bits = any; bits != 0; bits &= bits - 1) {
-                        const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
-                        a += p_buf[s * k_tile + j] * simd::to_float(src[at(j, d)]);
-                    }
-                    st.acc[s * dv + d] = a;
-                }
-            }
-        };
-        if (!vt)
-            accumulate(vtile, [&kv](std::uint32_t j, std::uint32_t d) { return kv.v_in_tile(j, d); });
-        else
-            accumulate(static_cast<const float*>(vt_buf),
-                       [dv](std::uint32_t j, std::uint32_t d) { return std::size_t{j} * dv + d; });
-    };
+        }
+    }
 
     // ---- fused: V of tile `vtile` (every cell visible to some slot) and the scores of
     // tile `stile`, K rows and one V piece (up to 4 vectors of 16 dims of one cell, 128
@@ -465,22 +545,20 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     // slower cold (bench/README.md, "Broadcasts on Zen 4").
     // Scoring two tiles per step (each broadcast q feeding four FMAs) read four streams
     // and lost about a fifth cold ("V blocks of 64 dimensions").
-    constexpr bool can_fuse = M <= 4 && L == 16;
-    static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
-    auto fused_tile = [&](std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,
-                          fbatch (&sc)[M][B]) {
-        const S* kt = k_rows_of(kv, h, stile, conv...);
-        const S* vb = v_rows_of(kv, h, vtile, conv...);
+    void fused_tile(std::uint32_t vtile, const float* alpha, bool rescale, std::uint32_t stile,
+                    fbatch (&sc)[M][B]) noexcept {
+        const S* kt = k_rows(stile);
+        const S* vb = v_rows(vtile);
         // No software prefetch here: with both streams read at once the hardware prefetchers
         // keep up, and `interleaved` requests in this loop cost 2-12% (Zen 5, A/B).
         fbatch part[M][B];
         for (std::size_t s = 0; s < M; ++s)
             for (std::size_t b = 0; b < B; ++b) part[s][b] = fbatch(0.0f);
-        // Locals, not the captured references: through them GCC reloaded q_buf and
-        // st.acc from the stack on every step.
-        const float* const qb = q_buf;
-        const float* const pb = p_buf;
-        float* const acc = st.acc;
+        // Locals, not the members: through captured references (and so through `this`)
+        // GCC reloaded q_buf and st.acc from the stack on every step.
+        const float* const qb = q_buf_;
+        const float* const pb = p_buf_;
+        float* const acc = st_.acc;
         std::uint32_t d = 0;  // next K row
         auto score_row = [&]() {
             fbatch krow[B];
@@ -495,7 +573,7 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
         // per piece when the K head size is 1 or 2 pieces' worth per cell (a loop with no
         // branch per step; D = 128: 2 K rows per 64-dimension piece), else spread evenly
         // (Bresenham). The last block is narrower when v_block does not divide dv.
-        const std::uint32_t n_blocks = (dv + v_block - 1) / v_block;
+        const std::uint32_t n_blocks = (dv_ + v_block - 1) / v_block;
         const std::uint32_t nv = n_blocks * k_tile;  // V pieces per tile
         std::uint32_t err = 0;
         auto block = [&](std::uint32_t blk, auto vw_tag, auto rows_tag) {
@@ -508,14 +586,14 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
             fbatch a[M][VW];
             for (std::size_t s = 0; s < M; ++s)
                 for (std::size_t v = 0; v < VW; ++v) {
-                    a[s][v] = fbatch::load_unaligned(ab + s * dv + v * L);
+                    a[s][v] = fbatch::load_unaligned(ab + s * dv_ + v * L);
                     if (rescale) a[s][v] *= fbatch(alpha[s]);
                 }
             for (std::uint32_t j = 0; j < k_tile; ++j) {
                 if constexpr (R > 0)
                     for (std::size_t r = 0; r < R; ++r) score_row();
                 else
-                    for (err += dk; err >= nv; err -= nv) score_row();
+                    for (err += dk_; err >= nv; err -= nv) score_row();
                 fbatch vr[VW];
                 for (std::size_t v = 0; v < VW; ++v) vr[v] = simd::load(vp + j * w + v * L);
                 for (std::size_t s = 0; s < M; ++s) {
@@ -524,63 +602,80 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
                 }
             }
             for (std::size_t s = 0; s < M; ++s)
-                for (std::size_t v = 0; v < VW; ++v) a[s][v].store_unaligned(ab + s * dv + v * L);
+                for (std::size_t v = 0; v < VW; ++v) a[s][v].store_unaligned(ab + s * dv_ + v * L);
         };
         using full = std::integral_constant<std::size_t, v_block / L>;
         using bresenham = std::integral_constant<std::size_t, 0>;
         if constexpr (!can_fuse) {
             // (Never called: `fuse` is false. Not instantiating the blocks keeps builds with
             // narrower vectors from compiling dead loops of v_block / L accumulators each.)
-        } else if (dv % v_block == 0 && nv == dk) {
+        } else if (dv_ % v_block == 0 && nv == dk_) {
             for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 1>{});
-        } else if (dv % v_block == 0 && 2 * nv == dk) {
+        } else if (dv_ % v_block == 0 && 2 * nv == dk_) {
             for (std::uint32_t blk = 0; blk < n_blocks; ++blk) block(blk, full{}, std::integral_constant<std::size_t, 2>{});
         } else {
             for (std::uint32_t blk = 0; blk + 1 < n_blocks; ++blk) block(blk, full{}, bresenham{});
             // The last block: full, or 1 to v_block / L - 1 vectors wide (dv is a multiple of L).
             const std::uint32_t last = n_blocks - 1;
-            switch ((dv - last * v_block) / L) {
+            switch ((dv_ - last * v_block) / L) {
                 case 1: block(last, std::integral_constant<std::size_t, 1>{}, bresenham{}); break;
                 case 2: block(last, std::integral_constant<std::size_t, 2>{}, bresenham{}); break;
                 case 3: block(last, std::integral_constant<std::size_t, 3>{}, bresenham{}); break;
                 default: block(last, full{}, bresenham{}); break;
             }
         }
-        while (d < dk) score_row();
+        while (d < dk_) score_row();
         for (std::size_t s = 0; s < M; ++s)
             for (std::size_t b = 0; b < B; ++b) sc[s][b] = part[s][b];
-    };
-    const bool fuse = can_fuse && !vt && dv % L == 0;
+    }
 
-    // Software pipeline: the scores of the next visible tile are computed together with
-    // the V update of the current one.
-    tile_mask mask[M], any = 0;
-    if (next_tile(mask, any)) {
-        std::uint32_t cur = t++;
-        fbatch sc[M][B];
-        score_tile(cur, sc);
-        float alpha[M];
-        bool rescale = softmax_tile(mask, sc, alpha);
-        for (;;) {
-            tile_mask mask2[M], any2 = 0;
-            const bool more = next_tile(mask2, any2);
-            const std::uint32_t nxt = more ? t++ : 0;
-            if (more && fuse && any == k_tile_full) {
-                fused_tile(cur, alpha, rescale, nxt, sc);
-            } else {
-                accumulate_tile(cur, any, alpha, rescale);
-                if (more) score_tile(nxt, sc);
-            }
-            if (!more) break;
-            rescale = softmax_tile(mask2, sc, alpha);
-            cur = nxt;
-            any = any2;
+    // ---- finalize: the lanes' partial sums into st.l
+    void finalize() noexcept {
+        for (std::size_t s = 0; s < M; ++s) {
+            fbatch v = lsum_[s][0];
+            for (std::size_t b = 1; b < B; ++b) v += lsum_[s][b];
+            st_.l[s] = xsimd::hadd(v);
         }
     }
-    for (std::size_t s = 0; s < M; ++s) {
-        fbatch v = lsum[s][0];
-        for (std::size_t b = 1; b < B; ++b) v += lsum[s][b];
-        st.l[s] = xsimd::hadd(v);
+
+    const kv_layer_view<const T>& kv_;
+    std::uint32_t h_;                 // KV head
+    const attn_meta<Seqs>& meta_;
+    const attn_shape& sh_;
+    const attn_slot* slots_;          // M slots
+    const tile_range* ranges_;        // tiles to visit
+    std::size_t n_ranges_;
+    attn_state<M>& st_;
+    float* p_buf_;                    // M x k_tile: exp(logit - m) of the current tile
+    float* vt_buf_;                   // k_tile x dv: transposed V gathered into rows
+    float* q_buf_;                    // dk x M: the scaled queries, [K row][slot]
+    const Conv* conv_;                // the tile converter (unused when in place)
+    std::uint32_t dk_, dv_;
+    bool vt_;                         // V transposed
+    fbatch lsum_[M][B];               // per-lane partial sums of exp(logit - m)
+    bool same_as_prev_[M];            // slot s sees what slot s - 1 sees
+    std::size_t r_ = 0;               // next_tile: current range
+    std::uint32_t t_ = 0;             // ... and tile
+    std::uint32_t pf_t_ = 0;          // tile whose K/V the interleaved prefetch asks for
+};
+
+/// Runs one work item over `ranges`: kv head h of view `kv`, M slots, accumulating into st
+/// (attention_kernel::run). Scratch: p_buf M x k_tile floats, vt_buf k_tile x dv floats
+/// (transposed V only), q_buf dk x M floats. conv: none (K / V read in place: storage with
+/// SIMD loads, f32 / f16 / bf16), or one converted_tiles (tile_source.hpp) that converts
+/// each tile into its own f32 scratch.
+template <std::size_t M, class T, class Seqs, class... Conv>
+void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta<Seqs>& meta, const attn_shape& sh,
+                 const attn_slot* slots, const tile_range* ranges, std::size_t n_ranges, attn_state<M>& st,
+                 float* p_buf, float* vt_buf, float* q_buf, const Conv&... conv) noexcept {
+    static_assert(sizeof...(Conv) <= 1, "attend_item: at most one tile converter");
+    if constexpr (sizeof...(Conv) == 0) {
+        attention_kernel<M, T, Seqs> k(kv, h, meta, sh, slots, ranges, n_ranges, st, p_buf, vt_buf, q_buf, nullptr);
+        k.run();
+    } else {
+        attention_kernel<M, T, Seqs, Conv...> k(kv, h, meta, sh, slots, ranges, n_ranges, st, p_buf, vt_buf, q_buf,
+                                                &conv...);
+        k.run();
     }
 }
 

@@ -3,7 +3,8 @@
 // The plain reference loop the benchmarks and tests compare the SIMD kernel against:
 // one query row, one head, one cell, one element at a time, online softmax in f32.
 // It reads K / V through the layer view (format/kv_view.hpp) and visibility from the
-// cells' positions and sequence sets as flat arrays (the op passes them): no cache type.
+// cells' positions (a flat array) and the op's view of their sequence membership
+// (`seqs.test(c, s)`, as for the SIMD kernel's attn_meta): no cache or cell type.
 // Elements without SIMD storage (element/contract.hpp) convert each value with
 // Element::to_float.
 #pragma once
@@ -13,7 +14,6 @@
 #include <cstdint>  // fixed-width integers
 #include <limits>   // infinity
 
-#include "../cells/seq_set.hpp"
 #include "../config.hpp"
 #include "../element/contract.hpp"
 #include "../format/kv_view.hpp"
@@ -24,9 +24,11 @@ KVCACHE_BEGIN_NAMESPACE
 namespace kernels {
 
 /// Arguments of one scalar attention call (cells [0, n); every pointer non-null when n_q > 0).
+/// Seqs: the cells' sequence membership, `cell_seqs.test(c, s)`: cell c is used by sequence s.
+template <class Seqs>
 struct scalar_attn_args {
     const pos_t* cell_pos = nullptr;     ///< per cell position, -1: free
-    const seq_set* cell_seqs = nullptr;  ///< per cell sequence set
+    Seqs cell_seqs{};                    ///< per cell sequence membership
     std::uint32_t n = 0;                 ///< cells to read
     const float* q = nullptr;            ///< n_q rows of n_head x dim_k
     const pos_t* q_pos = nullptr;
@@ -52,8 +54,8 @@ inline float element_value(const typename Element::storage_type& x) noexcept {
 }
 
 /// Scalar attention over one layer view; acc: dim_v floats of scratch.
-template <class Element>
-void attention_scalar(const kv_layer_view<const typename Element::storage_type>& v, const scalar_attn_args& a,
+template <class Element, class Seqs>
+void attention_scalar(const kv_layer_view<const typename Element::storage_type>& v, const scalar_attn_args<Seqs>& a,
                       float* acc) noexcept {
     const std::uint32_t dk = v.dim_k, dv = v.dim_v, group = a.n_head / v.n_head_kv;
     for (std::uint32_t i = 0; i < a.n_q; ++i) {
@@ -64,7 +66,7 @@ void attention_scalar(const kv_layer_view<const typename Element::storage_type>&
             for (std::uint32_t d = 0; d < dv; ++d) acc[d] = 0.0f;
             for (std::uint32_t c = 0; c < a.n; ++c) {
                 const pos_t pc = a.cell_pos[c];
-                if (pc < 0 || !a.cell_seqs[c].test(a.q_seq[i]) || pc > a.q_pos[i]) continue;
+                if (pc < 0 || !a.cell_seqs.test(c, a.q_seq[i]) || pc > a.q_pos[i]) continue;
                 if (a.window > 0 && std::int64_t{pc} <= std::int64_t{a.q_pos[i]} - a.window) continue;
                 float sc = 0.0f;
                 for (std::uint32_t d = 0; d < dk; ++d) sc += qr[d] * element_value<Element>(v.k[v.k_offset(h, c, d)]);

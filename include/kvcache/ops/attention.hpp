@@ -1,29 +1,34 @@
 // kvcache ops: attention over the cache, prefill and decode, for every element policy.
+//
+// The public API (attention(), attention_params, attention_workspace) and the call's
+// setup. The rest lives in ops/detail/: what the kernels know of the cells
+// (attention_cells.hpp), scheduling of work items and split-K (attention_schedule.hpp),
+// the end of an item and the split-K merge (attention_merge.hpp); the kernels themselves
+// in kernels/attention.hpp (SIMD) and kernels/attention_scalar.hpp (the oracle).
 #pragma once
 
-#include <cmath>    // std::sqrt, std::exp, std::tanh, std::isfinite
+#include <cmath>    // std::sqrt, std::isfinite
 #include <cstddef>  // std::size_t
-#include <algorithm>  // std::min, std::max
-#include <atomic>     // std::atomic_ref (split-K merge)
+#include <algorithm>  // std::min, std::fill
 #include <cstdint>  // fixed-width integers
-#include <limits>   // infinity
 #include <string>   // messages
 #include <type_traits>  // std::integral_constant
 #include <utility>   // std::pair
 #include <vector>   // workspace buffers
 
-#include "../cells/cell_table.hpp"
 #include "../config.hpp"
-#include "../error.hpp"
-#include "../layout/capabilities.hpp"
-#include "../cells/cell_table.hpp"
 #include "../element/contract.hpp"
+#include "../error.hpp"
+#include "../format/kv_view.hpp"
 #include "../kernels/attention.hpp"
 #include "../kernels/attention_scalar.hpp"
 #include "../kernels/path.hpp"
-#include "../format/kv_view.hpp"
+#include "../layout/capabilities.hpp"
 #include "../memory/memory.hpp"
 #include "../model_shape.hpp"
+#include "detail/attention_cells.hpp"     // cell_seqs, summarise_tile
+#include "detail/attention_schedule.hpp"  // slots, split-K planning, run_items
+#include "detail/attention_merge.hpp"     // finish_item, merge_slot
 
 KVCACHE_BEGIN_NAMESPACE
 namespace ops {
@@ -148,9 +153,9 @@ void attention_scalar(const Cache& cache, std::uint32_t layer, const float* q, c
                       const seq_id_t* q_seq, std::uint32_t n_q, const attention_params& p, float* out,
                       std::vector<float>& acc_buf) {
     const model_shape& s = cache.shape();
-    kernels::scalar_attn_args a;
+    kernels::scalar_attn_args<cell_seqs> a;
     a.cell_pos = cache.cells().pos_data();
-    a.cell_seqs = cache.cells().seq_data();
+    a.cell_seqs = cell_seqs{cache.cells().seq_data()};
     a.n = cache.n_window();
     a.q = q;
     a.q_pos = q_pos;
@@ -165,150 +170,6 @@ void attention_scalar(const Cache& cache, std::uint32_t layer, const float* q, c
     kernels::attention_scalar<typename Cache::element>(cache.storage().view(layer), a, acc_buf.data());
 }
 
-/// Summary of tile t of the cells [0, n) for the kernel's masking.
-inline kernels::tile_meta summarise_tile(const cell_table& cells, std::uint32_t n, std::uint32_t t) noexcept {
-    const pos_t* pos = cells.pos_data();
-    const seq_set* seqs = cells.seq_data();
-    kernels::tile_meta tm;
-    const seq_set* first = nullptr;
-    bool same = true;
-    const std::uint32_t c0 = t * k_tile;
-    const std::uint32_t c1 = std::min(c0 + k_tile, n);
-    for (std::uint32_t c = c0; c < c1; ++c) {
-        if (pos[c] < 0) continue;
-        if (tm.occ == 0) {
-            tm.pmin = tm.pmax = pos[c];
-            first = &seqs[c];
-        } else {
-            tm.pmin = std::min(tm.pmin, pos[c]);
-            tm.pmax = std::max(tm.pmax, pos[c]);
-            same = same && seqs[c] == *first;
-        }
-        tm.occ |= tile_mask{1} << (c - c0);
-    }
-    if (tm.occ != 0) {
-        tm.sid = -2;
-        if (same && first->count() == 1) first->for_each([&](seq_id_t q) { tm.sid = q; });
-    }
-    return tm;
-}
-
-template <std::size_t M, class Element>
-void run_items(const kv_layer_view<const typename Element::storage_type>& kv, const kernels::attn_meta& meta, const kernels::attn_shape& sh,
-               const kernels::attn_slot* slots, std::size_t slots_per_head, std::uint32_t n_head_kv,
-               const kernels::tile_range* split_ranges, const std::size_t* split_first, std::size_t n_split,
-               float* scratch, std::size_t scratch_per_thread, float* partial, std::uint32_t* parts_done,
-               float* const* out_rows,
-               int threads, const cell_table& cells, std::uint32_t n, kernels::tile_meta* tiles, bool tiles_ready) {
-    // The tile summaries (meta.tiles) are filled first, unless they are still valid from
-    // an earlier call (tiles_ready: same cells, e.g. the previous layer of this decode
-    // step), inside the same parallel region as the work items: a region of their own
-    // cost a second fork and join per call (~25 us with OMP_WAIT_POLICY=passive on the
-    // 2-core VM, ~2% of a 16K decode).
-    const auto n_tiles = tiles_ready ? std::int64_t{0} : static_cast<std::int64_t>((n + k_tile - 1) / k_tile);
-    auto summarise = [&](std::int64_t t) { tiles[t] = summarise_tile(cells, n, static_cast<std::uint32_t>(t)); };
-    const std::size_t groups = slots_per_head / M;
-    const auto n_items = static_cast<std::int64_t>(std::size_t{n_head_kv} * groups * n_split);
-    using T = typename Element::storage_type;
-    const std::uint32_t dv = sh.dv;
-    const float ninf = -std::numeric_limits<float>::infinity();
-
-    // Merges the n_split partial softmax states of one slot (flash-decoding).
-    auto merge_slot = [&](std::size_t slot) {
-        float* o = out_rows[slot];
-        if (o == nullptr) return;
-        const std::size_t hg = slot / M, s = slot % M;
-        float mx = ninf;
-        for (std::size_t k = 0; k < n_split; ++k) mx = std::max(mx, partial[((hg * n_split + k) * M + s) * (dv + 2)]);
-        float l = 0.0f;
-        for (std::uint32_t d = 0; d < dv; ++d) o[d] = 0.0f;
-        if (mx != ninf) {
-            for (std::size_t k = 0; k < n_split; ++k) {
-                const float* part = partial + ((hg * n_split + k) * M + s) * (dv + 2);
-                if (part[1] == 0.0f) continue;
-                const float w = std::exp(part[0] - mx);
-                l += part[1] * w;
-                for (std::uint32_t d = 0; d < dv; ++d) o[d] += part[2 + d] * w;
-            }
-        }
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (std::uint32_t d = 0; d < dv; ++d) o[d] *= inv;
-    };
-
-    // One work item on thread tid's scratch: its output rows (n_split == 1) or its partial state.
-    auto run_item = [&](std::int64_t it, int tid) {
-        float* acc = scratch + static_cast<std::size_t>(tid) * scratch_per_thread;
-        float* p_buf = acc + M * dv;
-        float* vt_buf = p_buf + M * k_tile;
-        float* q_buf = vt_buf + std::size_t{k_tile} * dv;
-        const auto item = static_cast<std::size_t>(it);
-        const std::size_t k = item % n_split;
-        const std::size_t hg = item / n_split;
-        const auto h = static_cast<std::uint32_t>(hg / groups);
-        const std::size_t g = hg % groups;
-        const kernels::attn_slot* sl = slots + h * slots_per_head + g * M;
-        kernels::attn_state<M> st;
-        st.acc = acc;
-        for (std::size_t s = 0; s < M; ++s) {
-            st.m[s] = ninf;
-            st.l[s] = 0.0f;
-        }
-        std::fill(acc, acc + M * dv, 0.0f);
-        if constexpr (kvcache::detail::has_simd_storage<Element>) {
-            kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k],
-                                       split_first[k + 1] - split_first[k], st, p_buf, vt_buf, q_buf);
-        } else {
-            // Generic path: tiles converted through Element::to_float into this thread's scratch.
-            float* stage = q_buf + M * sh.dk;  // k_tile x (dk + dv) floats (see `need` in attention())
-            const kernels::converted_tiles<Element> src{stage, stage + std::size_t{k_tile} * sh.dk};
-            kernels::attend_item<M, T>(kv, h, meta, sh, sl, split_ranges + split_first[k],
-                                       split_first[k + 1] - split_first[k], st, p_buf, vt_buf, q_buf, src);
-        }
-        if (n_split == 1) {
-            for (std::size_t s = 0; s < M; ++s) {
-                float* o = out_rows[h * slots_per_head + g * M + s];
-                if (o == nullptr) continue;
-                const float inv = st.l[s] > 0.0f ? 1.0f / st.l[s] : 0.0f;
-                for (std::uint32_t d = 0; d < dv; ++d) o[d] = acc[s * dv + d] * inv;
-            }
-        } else {
-            float* part = partial + item * M * (dv + 2);
-            for (std::size_t s = 0; s < M; ++s) {
-                part[s * (dv + 2)] = st.m[s];
-                part[s * (dv + 2) + 1] = st.l[s];
-                std::copy(acc + s * dv, acc + s * dv + dv, part + s * (dv + 2) + 2);
-            }
-            // The thread that finishes a head group's last part merges the group: no
-            // barrier between the items and the merge (acq_rel: the other parts' writes
-            // are visible to it).
-            if (std::atomic_ref<std::uint32_t>(parts_done[hg]).fetch_add(1, std::memory_order_acq_rel) + 1 == n_split)
-                for (std::size_t s = 0; s < M; ++s) merge_slot(hg * M + s);
-        }
-    };
-    if (threads <= 1) {
-        // No parallel region at all: entering one costs microseconds even with one thread.
-        for (std::int64_t t = 0; t < n_tiles; ++t) summarise(t);
-        for (std::int64_t it = 0; it < n_items; ++it) run_item(it, 0);
-        return;
-    }
-    KVCACHE_OMP(parallel num_threads(threads))
-    {
-        int tid = 0;
-#if defined(_OPENMP)
-        tid = omp_get_thread_num();
-#endif
-        if (n_tiles > 0) {
-            KVCACHE_OMP(for schedule(static))  // (implicit barrier: every summary is ready after it)
-            for (std::int64_t t = 0; t < n_tiles; ++t) summarise(t);
-        }
-        // nowait: the region's end is the only barrier after the items. With
-        // OMP_WAIT_POLICY=passive each barrier can cost a sleeping thread's wake-up; one
-        // barrier less per call (two with split-K, whose merge needed one of its own) made
-        // 1K-cell decode on 2 threads of the Zen 5 VM 1.12-1.18x faster, 4K 1.03x.
-        KVCACHE_OMP(for schedule(dynamic, 1) nowait)
-        for (std::int64_t it = 0; it < n_items; ++it) run_item(it, tid);
-    }
-}
 }  // namespace detail_attn
 
 /// Attention of n_q query rows over layer `layer` of the cache, for every element policy
@@ -365,14 +226,14 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     const bool tiles_ready = ws.tiles_stamp_ == stamp && ws.tiles_n_ == n;  // (tiles_ then has n_tiles entries)
     ws.tiles_stamp_ = 0;  // (invalid until run_items has filled them)
     ws.tiles_.resize(n_tiles);
-    kernels::attn_meta meta;
+    kernels::attn_meta<detail_attn::cell_seqs> meta;
     meta.pos = cache.cells().pos_data();
-    meta.seqs = cache.cells().seq_data();
+    meta.seqs = detail_attn::cell_seqs{cache.cells().seq_data()};
     meta.tiles = ws.tiles_.data();
 
     // Slots: per KV head, row-major over (row, head of the group), padded to a multiple of M.
     const std::size_t want = std::size_t{n_q} * group;
-    const std::size_t M = want >= 16 ? 16 : want >= 8 ? 8 : want >= 4 ? 4 : want >= 2 ? 2 : 1;
+    const std::size_t M = detail_attn::slots_per_item(want);
     const std::size_t per_head = (want + M - 1) / M * M;
     {
         const std::size_t kv_bytes = std::size_t{n} * hkv * (dk + dv) * sizeof(T);
@@ -416,45 +277,9 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
         }
     }
 
-    // Split-K when there are too few items to feed the threads: at least 4 items per
-    // thread (parts of >= 256 cells), and up to 16 while every part keeps >= 4096 cells.
-    // The finer cut evens out the threads' finishing times (one item's worth of tail,
-    // when a worker wakes late or a core runs slow): 16K-cell decode, 8 KV heads, 2
-    // threads of the Zen 5 VM, 32 items instead of 8: 1.03x (median of 11 same-process
-    // A/Bs, faster in 9); parts below ~4096 cells lose more to each item's pipeline start
-    // and end than they gain (4K cells cut 4 ways: 0.91x, 1K: 0.76x).
-    // Parts are measured by the tiles the items visit (a paged sequence's own blocks, not
-    // the whole window), so a short sequence in a large paged cache is cut as the same
-    // sequence in a contiguous cache of its own size would be. (Measuring by the window,
-    // 16 threads cut a 1K-cell sequence in a 64K-cell paged cache into 16 parts of 64
-    // cells; on 2 threads the two rules' results for 1K-2K cells in a 16K window were
-    // within 2% of each other, same-process A/B.)
-    std::size_t total = 0;
-    for (const auto& r : ws.ranges_) total += r.t1 - r.t0;
+    // Split-K (detail/attention_schedule.hpp): parts of the tiles to visit.
     const std::size_t base_items = std::size_t{hkv} * (per_head / M);
-    const std::size_t cells = total * k_tile;
-    auto splits_for = [&](std::size_t per_thread, std::size_t min_cells) -> std::size_t {
-        const std::size_t target = per_thread * static_cast<std::size_t>(threads);
-        const std::size_t want = base_items >= target ? 1 : (target + base_items - 1) / base_items;
-        return std::min(want, cells / min_cells);
-    };
-    const std::size_t n_split =
-        threads == 1 ? 1 : std::max<std::size_t>({1, splits_for(4, 256), splits_for(16, 4096)});
-    ws.split_ranges_.clear();
-    ws.split_first_.assign(1, 0);
-    for (std::size_t k = 0; k < n_split; ++k) {
-        const std::size_t b = total * k / n_split, e = total * (k + 1) / n_split;
-        std::size_t off = 0;
-        for (const auto& r : ws.ranges_) {
-            const std::size_t len = r.t1 - r.t0;
-            const std::size_t lo = std::max(b, off), hi = std::min(e, off + len);
-            if (lo < hi)
-                ws.split_ranges_.push_back({static_cast<std::uint32_t>(r.t0 + (lo - off)),
-                                            static_cast<std::uint32_t>(r.t0 + (hi - off))});
-            off += len;
-        }
-        ws.split_first_.push_back(ws.split_ranges_.size());
-    }
+    const std::size_t n_split = detail_attn::plan_split(ws.ranges_, base_items, threads, ws.split_ranges_, ws.split_first_);
     // Per-thread scratch: each thread's part starts on a 4 KiB boundary and ends with a
     // 4 KiB gap. Packed back to back, one core's hardware prefetchers, running past the
     // end of its own buffers, pulled in the next thread's accumulator lines, which that

@@ -1,0 +1,77 @@
+// kvcache ops: the end of an attention work item: its output rows, or its partial
+// softmax state and the split-K merge (flash-decoding).
+//
+// Layout of the split-K partial states: per work item (head group hg, part k) M slots of
+// dv + 2 floats, [m, l, acc[0..dv)], at partial + ((hg * n_split + k) * M + s) * (dv + 2).
+#pragma once
+
+#include <algorithm>  // std::max, std::copy
+#include <atomic>     // std::atomic_ref
+#include <cmath>      // std::exp
+#include <cstddef>    // std::size_t
+#include <cstdint>    // fixed-width integers
+#include <limits>     // infinity
+
+#include "../../config.hpp"
+#include "../../kernels/attention.hpp"
+
+KVCACHE_BEGIN_NAMESPACE
+namespace ops::detail_attn {
+
+/// Merges the n_split partial softmax states of slot `slot` (= hg * M + s) into its
+/// output row o (dv floats; nothing when o is null: a padding slot).
+template <std::size_t M>
+inline void merge_slot(const float* partial, std::size_t n_split, std::uint32_t dv, std::size_t slot,
+                       float* o) noexcept {
+    if (o == nullptr) return;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    const std::size_t hg = slot / M, s = slot % M;
+    float mx = ninf;
+    for (std::size_t k = 0; k < n_split; ++k) mx = std::max(mx, partial[((hg * n_split + k) * M + s) * (dv + 2)]);
+    float l = 0.0f;
+    for (std::uint32_t d = 0; d < dv; ++d) o[d] = 0.0f;
+    if (mx != ninf) {
+        for (std::size_t k = 0; k < n_split; ++k) {
+            const float* part = partial + ((hg * n_split + k) * M + s) * (dv + 2);
+            if (part[1] == 0.0f) continue;
+            const float w = std::exp(part[0] - mx);
+            l += part[1] * w;
+            for (std::uint32_t d = 0; d < dv; ++d) o[d] += part[2 + d] * w;
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (std::uint32_t d = 0; d < dv; ++d) o[d] *= inv;
+}
+
+/// The end of work item `item` (head group hg, part k of n_split) whose state is st
+/// (accumulators acc, M x dv): with one part, its rows' outputs (acc / l; null rows are
+/// padding); else its partial state, and the thread that finishes a head group's last
+/// part merges the group. out_rows: the M output rows of the head group.
+template <std::size_t M>
+inline void finish_item(const kernels::attn_state<M>& st, const float* acc, std::uint32_t dv, std::size_t item,
+                        std::size_t hg, std::size_t n_split, float* const* out_rows, float* partial,
+                        std::uint32_t* parts_done) noexcept {
+    if (n_split == 1) {
+        for (std::size_t s = 0; s < M; ++s) {
+            float* o = out_rows[s];
+            if (o == nullptr) continue;
+            const float inv = st.l[s] > 0.0f ? 1.0f / st.l[s] : 0.0f;
+            for (std::uint32_t d = 0; d < dv; ++d) o[d] = acc[s * dv + d] * inv;
+        }
+    } else {
+        float* part = partial + item * M * (dv + 2);
+        for (std::size_t s = 0; s < M; ++s) {
+            part[s * (dv + 2)] = st.m[s];
+            part[s * (dv + 2) + 1] = st.l[s];
+            std::copy(acc + s * dv, acc + s * dv + dv, part + s * (dv + 2) + 2);
+        }
+        // The thread that finishes a head group's last part merges the group: no
+        // barrier between the items and the merge (acq_rel: the other parts' writes
+        // are visible to it).
+        if (std::atomic_ref<std::uint32_t>(parts_done[hg]).fetch_add(1, std::memory_order_acq_rel) + 1 == n_split)
+            for (std::size_t s = 0; s < M; ++s) merge_slot<M>(partial, n_split, dv, hg * M + s, out_rows[s]);
+    }
+}
+
+}  // namespace ops::detail_attn
+KVCACHE_END_NAMESPACE
