@@ -67,7 +67,7 @@ template <class Cache>
 shift_step context_shift_step(Cache& cache, seq_id_t seq, pos_t n_keep) {
     const std::vector<k_snapshot> before = snapshot_k(cache, seq, 0, cache.capacity());
     shift_step s;
-    s.plan = kvcache::ops::context_shift(cache, seq, n_keep);
+    s.plan = kvcache::ops::context_shift(cache, seq, n_keep).value();
     kvcache::ops::apply_k_shift(cache);
     s.kshift = check_k_shift(cache, seq, before);
     const pos_t n_past = s.plan.n_past_after;
@@ -89,7 +89,7 @@ template <class Cache>
 pos_t self_extend_step(Cache& cache, seq_id_t seq, kvcache::ops::self_extend_state& st, pos_t n_past,
                        k_shift_report& worst) {
     const std::vector<k_snapshot> before = snapshot_k(cache, seq, 0, cache.capacity());
-    const pos_t after = kvcache::ops::self_extend(cache, seq, st, n_past);
+    const pos_t after = kvcache::ops::self_extend(cache, seq, st, n_past).value();
     if (after != n_past) {
         kvcache::ops::apply_k_shift(cache);
         const k_shift_report r = check_k_shift(cache, seq, before);

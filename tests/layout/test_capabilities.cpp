@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "layout_test_util.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -156,15 +157,15 @@ TEST_CASE("a user layout's declared hooks are called by the cache") {
     // seq_rm_check refuses: nothing changed
     CHECK_THROWS_AS(cache.seq_rm(0, 0, 2), error);
     CHECK(cache.used() == 4);
-    cache.seq_rm(0, 3, -1);
+    REQUIRE(cache.seq_rm(0, 3, -1));
     CHECK(cache.used() == 3);
 
     // seq_shift_check receives the move as a position_move
-    cache.seq_add(0, 1, -1, 7);
+    REQUIRE(cache.seq_add(0, 1, -1, 7));
     REQUIRE(cache.storage().last_fn != nullptr);
     CHECK(std::string(cache.storage().last_fn) == "seq_add");
     CHECK(cache.storage().last_move(5) == 12);
-    cache.seq_div(0, 0, 9, 2);  // positions 0, 8 -> 0, 4; 9 stays
+    REQUIRE(cache.seq_div(0, 0, 9, 2));  // positions 0, 8 -> 0, 4; 9 stays
     CHECK(std::string(cache.storage().last_fn) == "seq_div");
     CHECK(cache.storage().last_move(9) == 4);
     CHECK(cache.seq_pos_max(0) == 9);

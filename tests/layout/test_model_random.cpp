@@ -23,6 +23,7 @@
 
 #include "layout_test_util.hpp"
 #include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -117,13 +118,13 @@ void run_random(const model_shape& shape, std::uint32_t seed, int steps) {
             } else if (op < 60) {
                 const seq_id_t s = pick(0, 9) == 0 ? -1 : pick(0, n_seq - 1);
                 const pos_t p0 = pick(-1, 40), p1 = pick(0, 3) == 0 ? -1 : p0 + pick(0, 20);
-                cache.seq_rm(s, p0, p1);
+                REQUIRE(cache.seq_rm(s, p0, p1));
                 model.seq_rm(s, p0, p1);
                 full.seq_rm(s, p0, p1);
             } else if (op < 72) {
                 const seq_id_t src = pick(0, n_seq - 1), dst = pick(0, n_seq - 1);
                 const pos_t p0 = pick(0, 3) == 0 ? -1 : pick(0, 30), p1 = pick(0, 2) == 0 ? -1 : p0 + pick(1, 30);
-                cache.seq_cp(src, dst, p0, p1);
+                REQUIRE(cache.seq_cp(src, dst, p0, p1));
                 model.seq_cp(src, dst, p0, p1);
                 full.seq_cp(src, dst, p0, p1);
             } else if (op < 75) {
@@ -135,14 +136,14 @@ void run_random(const model_shape& shape, std::uint32_t seed, int steps) {
                 const seq_id_t s = pick(0, 5) == 0 ? -1 : pick(0, n_seq - 1);
                 const pos_t p0 = pick(0, 1) == 0 ? -1 : pick(0, 30);
                 const pos_t d = pick(-10, 10);
-                cache.seq_add(s, p0, -1, d);
+                REQUIRE(cache.seq_add(s, p0, -1, d));
                 model.seq_add(s, p0, -1, d);
                 full.seq_add(s, p0, -1, d);
                 moved += d != 0;
             } else if (op < 96) {
                 const seq_id_t s = pick(0, 5) == 0 ? -1 : pick(0, n_seq - 1);
                 const int d = pick(1, 3);
-                cache.seq_div(s, -1, -1, d);
+                REQUIRE(cache.seq_div(s, -1, -1, d));
                 model.seq_div(s, -1, -1, d);
                 full.seq_div(s, -1, -1, d);
                 moved += d != 1;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "layout_test_util.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -131,16 +132,16 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
     unchanged();
     // allowed: a middle range inside the window, a truncation with an intact window,
     // moves that keep every later window above the pruning point (up; down by one)
-    cache.seq_rm(0, 80, 82);
+    REQUIRE(cache.seq_rm(0, 80, 82));
     model.seq_rm(0, 80, 82);
-    cache.seq_rm(0, 99, -1);
+    REQUIRE(cache.seq_rm(0, 99, -1));
     model.seq_rm(0, 99, -1);
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
-    cache.seq_add(0, 90, -1, 5);  // 90..98 -> 95..103
+    REQUIRE(cache.seq_add(0, 90, -1, 5));  // 90..98 -> 95..103
     model.seq_add(0, 90, -1, 5);
-    cache.seq_add(0, 100, -1, -1);  // ends at 102: 102 + 2 - 24 = 80 >= 76
+    REQUIRE(cache.seq_add(0, 100, -1, -1));  // ends at 102: 102 + 2 - 24 = 80 >= 76
     model.seq_add(0, 100, -1, -1);
-    cache.seq_div(0, 101, 103, 1);  // d = 1: nothing moves
+    REQUIRE(cache.seq_div(0, 101, 103, 1));  // d = 1: nothing moves
     CHECK(cache.has_shift());
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
     CHECK(cache.storage().pruned_below(0) == 76);
@@ -150,19 +151,19 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
                          kvcache::error);
     CHECK(kvtest::diff(kvtest::observe(cache), moved) == "");
     // seq_cp passes the pruning point on: the copy cannot be truncated into pruned data either
-    cache.seq_cp(0, 1, -1, -1);
+    REQUIRE(cache.seq_cp(0, 1, -1, -1));
     model.seq_cp(0, 1, -1, -1);
     CHECK(cache.storage().pruned_below(1) == cache.storage().pruned_below(0));
     CHECK_THROWS_AS(cache.seq_rm(1, 85, -1), kvcache::error);
     // removing a whole sequence is always allowed and resets its pruning point
-    cache.seq_rm(0, 0, -1);
+    REQUIRE(cache.seq_rm(0, 0, -1));
     model.seq_rm(0, 0, -1);
     CHECK(cache.storage().pruned_below(0) == 0);
     REQUIRE(kvtest::append(cache, model, 0, 0, 5, rng));
     cache.commit();  // also prunes sequence 1 below 102 - 24 + 1 = 79
     model.commit();
     model.prune(W);
-    cache.seq_rm(0, 2, 3);
+    REQUIRE(cache.seq_rm(0, 2, 3));
     model.seq_rm(0, 2, 3);
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
 }

@@ -26,7 +26,7 @@ TEST_CASE("iswa: context_shift moves both parts") {
     iswa16 c(kvtest::iswa_test_shape());
     std::mt19937 rng(1);
     kvtest::iswa_fill(c, 0, 0, 12, rng);  // within the window: nothing pruned
-    const auto r = ops::context_shift(c, 0, 2, 4);
+    const auto r = ops::context_shift(c, 0, 2, 4).value();
     CHECK(r.n_past_after == 8);
     CHECK(c.full().seq_pos_max(0) == 7);
     CHECK(c.swa().seq_pos_max(0) == 7);
@@ -60,7 +60,7 @@ TEST_CASE("iswa: self_extend groups both parts, or neither") {
         std::mt19937 rng(3);
         kvtest::iswa_fill(c, 0, 0, 12, rng);
         ops::self_extend_state st{2, 8, 0};
-        const pos_t np = ops::self_extend(c, 0, st, 12);
+        const pos_t np = ops::self_extend(c, 0, st, 12).value();
         CHECK(np == 8);
         CHECK(st.ga_i == 4);
         CHECK(kvtest::positions_of(c.full(), 0) == kvtest::positions_of(c.swa(), 0));
