@@ -62,7 +62,8 @@ struct shift_step {
 /// F13, one step of endless generation: kvcache::ops::context_shift keeps n_keep positions of
 /// sequence seq and discards half of the rest (its default), then the K-shift is applied
 /// (kvcache::ops::apply_k_shift; the next eval would do it) and checked against a direct RoPE
-/// of every cell's K before the shift. Throws what the library throws (kvcache::error).
+/// of every cell's K before the shift. Throws what the library throws (kvcache::error; a
+/// refused shift, an error result, is thrown by its value()).
 template <class Cache>
 shift_step context_shift_step(Cache& cache, seq_id_t seq, pos_t n_keep) {
     const std::vector<k_snapshot> before = snapshot_k(cache, seq, 0, cache.capacity());

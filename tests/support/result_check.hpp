@@ -61,6 +61,14 @@ inline refusal_kind rule_kind(kvcache::errc code) {
     }
 }
 
+/// Whether r is an error whose "<code>: <message>" contains `needle` (the code's name or
+/// part of the message).
+template <class T>
+bool refused_result(const kvcache::result<T>& r, const std::string& needle) {
+    if (r.ok()) return false;
+    return (std::string(kvcache::to_string(r.code())) + ": " + r.message()).find(needle) != std::string::npos;
+}
+
 /// Whether r is an error with this code whose message contains `needle`.
 template <class T>
 bool refused_with(const kvcache::result<T>& r, kvcache::errc code, const std::string& needle = {}) {
