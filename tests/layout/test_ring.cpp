@@ -113,7 +113,7 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
     unchanged();
     CHECK(kvtest::refused_result(cache.seq_div(0, 70, -1, 2), "no positions below 76"));
     unchanged();
-    CHECK(kvtest::refused_result(cache.seq_add(-1, 75, 90, 1), ""));
+    CHECK(kvtest::refused_result(cache.seq_add(-1, 75, 90, 1), "unsupported"));
     unchanged();
     // (b) lowering the end to 97: the next token's window would start at 97 + 2 - 24 = 75 < 76
     CHECK(kvtest::refused_result(cache.seq_add(0, 90, -1, -2), "would end at 97"));
@@ -123,7 +123,7 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
     // middle range reaching below the pruning point (76)
     CHECK(kvtest::refused_result(cache.seq_rm(0, 50, 80), "pruned by the sliding window"));
     unchanged();
-    CHECK(kvtest::refused_result(cache.seq_rm(-1, 10, 20), ""));
+    CHECK(kvtest::refused_result(cache.seq_rm(-1, 10, 20), "unsupported"));
     unchanged();
     // truncation whose next window would reach pruned positions: 89 + 2 - 24 = 67 < 76
     CHECK(kvtest::refused_result(cache.seq_rm(0, 90, -1), "truncating at 90 leaves it ending at 89"));
@@ -151,7 +151,7 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
     REQUIRE(cache.seq_cp(0, 1, -1, -1));
     model.seq_cp(0, 1, -1, -1);
     CHECK(cache.storage().pruned_below(1) == cache.storage().pruned_below(0));
-    CHECK(kvtest::refused_result(cache.seq_rm(1, 85, -1), ""));
+    CHECK(kvtest::refused_result(cache.seq_rm(1, 85, -1), "unsupported"));
     // removing a whole sequence is always allowed and resets its pruning point
     REQUIRE(cache.seq_rm(0, 0, -1));
     model.seq_rm(0, 0, -1);

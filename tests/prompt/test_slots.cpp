@@ -125,7 +125,13 @@ TEST_CASE("slots F22: longest prefix above the threshold, else least recently us
     auto p2 = slots.prepare(a).value();
     CHECK(p1.slot != p0.slot);
     CHECK(p2.slot != p1.slot);
-    CHECK_THROWS_WITH_AS(slots.prepare(a), doctest::Contains("every one of the 3 slots is busy"), kvcache::error);
+    {  // every slot busy: an expected condition, a no_space result (the host waits), nothing changed
+        const auto used = cache.used();
+        const auto busy = slots.prepare(a);
+        CHECK(kvtest::refused_with(busy, kvcache::errc::no_space, "every one of the 3 slots is busy"));
+        CHECK(cache.used() == used);
+        CHECK(slots.busy(p0.slot));
+    }
     CHECK_THROWS_WITH_AS(slots.prepare(prompt_tokens{}), doctest::Contains("no tokens"), kvcache::error);
     // commit_prompt before the host computed everything is refused
     CHECK_THROWS_WITH_AS(slots.commit_prompt(p0.slot), doctest::Contains("the request needs 99"), kvcache::error);
