@@ -87,9 +87,9 @@ TEST_CASE("ring states keep their pruning points: one sequence and the whole cac
     CHECK(b.storage().pruned_below(1) == 12);
     CHECK(picture(b, 1, 1) == picture(a, 0, 1));
     // the loaded copy refuses what the original refuses, and allows what it allows
-    CHECK_THROWS_WITH_AS(b.seq_rm(1, 15, -1), doctest::Contains("below 12"), kvcache::error);
-    CHECK_THROWS_WITH_AS(b.seq_add(1, 5, -1, 1), doctest::Contains("cannot move the range [5, end)"), kvcache::error);
-    CHECK_THROWS_AS(b.seq_cp(1, 0, 0, 10), kvcache::error);
+    CHECK(kvtest::refused_result(b.seq_rm(1, 15, -1), "below 12"));
+    CHECK(kvtest::refused_result(b.seq_add(1, 5, -1, 1), "cannot move the range [5, end)"));
+    CHECK(kvtest::refused_result(b.seq_cp(1, 0, 0, 10), "unsupported"));
     REQUIRE(b.seq_rm(1, 19, -1));  // ends at 18: 18 + 2 - 8 = 12
     CHECK(b.storage().pruned_below(1) == 12);
 
@@ -158,7 +158,7 @@ TEST_CASE("a refused load leaves the ring's pruning points as they were") {
     CHECK(r.code() == errc::no_space);
     CHECK(snapshot(a) == snap);
     CHECK(points(a) == pts);
-    CHECK_THROWS_AS(a.seq_rm(0, 15, -1), kvcache::error);  // still refused
+    CHECK(kvtest::refused_result(a.seq_rm(0, 15, -1), "unsupported"));  // still refused
 }
 
 TEST_CASE("malformed pruning tables are refused with their error code, the cache bit-identical") {
