@@ -63,9 +63,9 @@ void seq_ops(benchmark::State& state, bool add) {
         fill();
         state.ResumeTiming();
         if (add)
-            cache.seq_add(1, 0, -1, 1000);
+            cache.seq_add(1, 0, -1, 1000).value();
         else
-            cache.seq_rm(1, 0, n_cells / 8);
+            cache.seq_rm(1, 0, n_cells / 8).value();
     }
 }
 BENCHMARK_CAPTURE(seq_ops, rm, false)->Name("seq_rm/n_cells:65536")->Unit(benchmark::kMillisecond);

@@ -363,7 +363,7 @@ void kshift(benchmark::State& state, kvcache::rope_type type, int threads, kvcac
     const double bytes = 2.0 * static_cast<double>(k_layer_bytes) * n_layer;  // read + write, every layer
     for (auto _ : state) {
         state.PauseTiming();
-        cache->seq_add(0, 0, -1, delta);  // bookkeeping, not timed
+        cache->seq_add(0, 0, -1, delta).value();  // bookkeeping, not timed
         delta = -delta;
         if (path == kvcache::ops::kernel_path::simd) yard.add(bytes);
         state.ResumeTiming();

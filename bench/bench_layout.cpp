@@ -157,7 +157,7 @@ void defrag_bench(benchmark::State& state, int threads) {
                 cache.commit();
             }
         }
-        cache.seq_rm(1, -1, -1);  // every other run of 64 cells is a hole
+        cache.seq_rm(1, -1, -1).value();  // every other run of 64 cells is a hole
         state.ResumeTiming();
         kvcache::ops::defrag_params p;
         p.n_threads = threads;
@@ -208,12 +208,12 @@ waste_stats replay(std::uint32_t seed) {
         } else if (op < 14 && target[s_idx] != 0) {  // fork for parallel sampling into an idle slot
             for (seq_id_t d = 0; d < static_cast<seq_id_t>(n_seq); ++d)
                 if (target[static_cast<std::size_t>(d)] == 0) {
-                    cache.seq_cp(sid, d, -1, -1);
+                    cache.seq_cp(sid, d, -1, -1).value();
                     target[static_cast<std::size_t>(d)] = target[s_idx];
                     break;
                 }
         } else if (op < 16 && target[s_idx] != 0) {  // cancelled request
-            cache.seq_rm(sid, -1, -1);
+            cache.seq_rm(sid, -1, -1).value();
             target[s_idx] = 0;
         } else {  // one decode step for every live sequence; finished ones leave
             for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq); ++q) {
@@ -221,7 +221,7 @@ waste_stats replay(std::uint32_t seed) {
                 if (t == 0) continue;
                 const pos_t p = cache.seq_pos_max(q) + 1;
                 if (static_cast<std::uint32_t>(p) >= t) {
-                    cache.seq_rm(q, -1, -1);
+                    cache.seq_rm(q, -1, -1).value();
                     t = 0;
                     continue;
                 }

@@ -201,7 +201,7 @@ void prefix_hit_load(benchmark::State& state, Store store) {
     double load_s = 0;
     for (auto _ : state) {
         state.PauseTiming();
-        cache.seq_rm(1, -1, -1);
+        cache.seq_rm(1, -1, -1).value();
         const auto id = pc.save(cache, 0, p).value();
         state.ResumeTiming();
         const auto t0 = std::chrono::steady_clock::now();

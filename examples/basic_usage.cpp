@@ -50,16 +50,16 @@ int main() {
 
     // 4. Sequence operations: share the prompt with sequence 1, drop its last 2 tokens,
     //    move sequence 1 by +100 (its shared cells are split off) and apply the K-shift.
-    cache.seq_cp(0, 1, 0, -1);
-    cache.seq_rm(1, 6, -1);
-    cache.seq_add(1, 0, -1, 100);
+    cache.seq_cp(0, 1, 0, -1).value();
+    cache.seq_rm(1, 6, -1).value();
+    cache.seq_add(1, 0, -1, 100).value();
     kvcache::ops::apply_k_shift(cache);
     std::printf("seq 0: [%d, %d], seq 1: [%d, %d], %u cells used\n", cache.seq_pos_min(0), cache.seq_pos_max(0),
                 cache.seq_pos_min(1), cache.seq_pos_max(1), cache.used());
 
     // 5. Bad input is an exception naming the problem; the cache is unchanged.
     try {
-        cache.seq_rm(7, 0, -1);
+        cache.seq_rm(7, 0, -1).value();
     } catch (const kvcache::error& e) {
         std::printf("refused: %s\n", e.what());
     }

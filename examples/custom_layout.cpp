@@ -130,8 +130,8 @@ int main() {
     expect(max_diff(out_c, out_r) < 1e-5f, "attention equals the contiguous layout");
 
     // 3. K-shift: move sequence 0 by +5 in both caches and rotate K.
-    custom.seq_add(0, 0, -1, 5);
-    reference.seq_add(0, 0, -1, 5);
+    custom.seq_add(0, 0, -1, 5).value();
+    reference.seq_add(0, 0, -1, 5).value();
     kvcache::ops::apply_k_shift(custom);
     kvcache::ops::apply_k_shift(reference);
     expect(!custom.has_shift(), "K-shift applied");
@@ -151,8 +151,8 @@ int main() {
     const kvcache::ops::memory_usage m = kvcache::ops::memory(custom);
     expect(m.used_bytes == std::size_t{n} * custom.bytes_per_token(), "used bytes");
     expect(m.held_bytes == std::size_t{n} * custom.bytes_per_token(), "held bytes (top segment)");
-    custom.seq_rm(0, 5, 7);  // leaves a hole: held stays [54, 64), used drops by 2
-    reference.seq_rm(0, 5, 7);
+    custom.seq_rm(0, 5, 7).value();  // leaves a hole: held stays [54, 64), used drops by 2
+    reference.seq_rm(0, 5, 7).value();
     const kvcache::ops::memory_usage m2 = kvcache::ops::memory(custom);
     expect(m2.held_bytes - m2.used_bytes == 2 * custom.bytes_per_token(), "waste of the hole");
 

@@ -84,9 +84,9 @@ int main() {
 
     // The K-shift rotates fixed16 K through to_float / from_float: moving the sequence by
     // +5 and back by -5 returns each K value to within two fixed16 steps (2 / 256).
-    cache.seq_add(0, 0, -1, 5);
+    cache.seq_add(0, 0, -1, 5).value();
     kvcache::ops::apply_k_shift(cache);
-    cache.seq_add(0, 0, -1, -5);
+    cache.seq_add(0, 0, -1, -5).value();
     kvcache::ops::apply_k_shift(cache);
     cache.read_k(0, cells[1], back.data());
     for (int d = 0; d < 4; ++d) ok = ok && std::abs(back[d] - k[4 + d]) <= 2.0f / 256.0f;

@@ -75,7 +75,7 @@ int main() {
     for (int round = 0; round < 4; ++round) {
         text.insert(text.end(), {kvcache::token_t(1000 + round), kvcache::token_t(2000 + round)});
         const kvcache::prompt_tokens request{std::span<const kvcache::token_t>(text)};
-        const auto p = slots.prepare(request);
+        const auto p = slots.prepare(request).value();
         const kvcache::reuse::plan& want = slots.reuse_policy_object().planned.back();
         // What was reused is what the policy planned: the plan, the metrics and the cache agree.
         const bool ok = p.plan == want && p.n_past == want.n_past && p.metrics.from_slot == want.n_past &&

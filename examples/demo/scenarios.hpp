@@ -62,12 +62,13 @@ struct shift_step {
 /// F13, one step of endless generation: kvcache::ops::context_shift keeps n_keep positions of
 /// sequence seq and discards half of the rest (its default), then the K-shift is applied
 /// (kvcache::ops::apply_k_shift; the next eval would do it) and checked against a direct RoPE
-/// of every cell's K before the shift. Throws what the library throws (kvcache::error).
+/// of every cell's K before the shift. Throws what the library throws (kvcache::error; a
+/// refused shift, an error result, is thrown by its value()).
 template <class Cache>
 shift_step context_shift_step(Cache& cache, seq_id_t seq, pos_t n_keep) {
     const std::vector<k_snapshot> before = snapshot_k(cache, seq, 0, cache.capacity());
     shift_step s;
-    s.plan = kvcache::ops::context_shift(cache, seq, n_keep);
+    s.plan = kvcache::ops::context_shift(cache, seq, n_keep).value();
     kvcache::ops::apply_k_shift(cache);
     s.kshift = check_k_shift(cache, seq, before);
     const pos_t n_past = s.plan.n_past_after;
@@ -89,7 +90,7 @@ template <class Cache>
 pos_t self_extend_step(Cache& cache, seq_id_t seq, kvcache::ops::self_extend_state& st, pos_t n_past,
                        k_shift_report& worst) {
     const std::vector<k_snapshot> before = snapshot_k(cache, seq, 0, cache.capacity());
-    const pos_t after = kvcache::ops::self_extend(cache, seq, st, n_past);
+    const pos_t after = kvcache::ops::self_extend(cache, seq, st, n_past).value();
     if (after != n_past) {
         kvcache::ops::apply_k_shift(cache);
         const k_shift_report r = check_k_shift(cache, seq, before);

@@ -16,6 +16,7 @@
 
 #include "reference/cache_model.hpp"
 #include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -177,7 +178,7 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
             rand_range(p0, p1);
             const seq_id_t s = chance(0.1) ? -1 : uni(0, n_seq - 1);
             last_op = "seq_rm(" + std::to_string(s) + ", " + std::to_string(p0) + ", " + std::to_string(p1) + ")";
-            c.seq_rm(s, p0, p1);
+            REQUIRE(c.seq_rm(s, p0, p1));
             m.seq_rm(s, p0, p1);
         } else if (op < 58) {
             pos_t p0, p1;
@@ -190,13 +191,13 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
                     clash = true;
             if (clash) {
                 const auto before = kvtest::snapshot(c);
-                REQUIRE_THROWS_AS(c.seq_cp(src, dst, p0, p1), kvcache::error);
+                REQUIRE_THROWS_AS(static_cast<void>(c.seq_cp(src, dst, p0, p1)), kvcache::error);  // invalid argument
                 REQUIRE(kvtest::snapshot(c) == before);
                 ++n_refused;
             } else {
                 last_op = "seq_cp(" + std::to_string(src) + ", " + std::to_string(dst) + ", " + std::to_string(p0) +
                           ", " + std::to_string(p1) + ")";
-                c.seq_cp(src, dst, p0, p1);
+                REQUIRE(c.seq_cp(src, dst, p0, p1));
                 m.seq_cp(src, dst, p0, p1);
             }
         } else if (op < 60) {
@@ -222,22 +223,13 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
                 fits = false;
             }
             if (fits) {
-                if (is_div)
-                    c.seq_div(s, p0, p1, d);
-                else
-                    c.seq_add(s, p0, p1, d);
+                REQUIRE((is_div ? c.seq_div(s, p0, p1, d) : c.seq_add(s, p0, p1, d)));
                 m = trial;
-            } else {
+            } else {  // no room to split: an error result (not an exception), nothing changed
                 const auto before = kvtest::snapshot(c);
-                try {
-                    if (is_div)
-                        c.seq_div(s, p0, p1, d);
-                    else
-                        c.seq_add(s, p0, p1, d);
-                    FAIL("split without enough free cells was accepted");
-                } catch (const kvcache::error& e) {
-                    REQUIRE(e.code() == kvcache::errc::no_space);
-                }
+                const kvcache::result<void> r = is_div ? c.seq_div(s, p0, p1, d) : c.seq_add(s, p0, p1, d);
+                REQUIRE_MESSAGE(!r.ok(), "split without enough free cells was accepted");
+                REQUIRE(r.code() == kvcache::errc::no_space);
                 REQUIRE(kvtest::snapshot(c) == before);
                 ++n_split_fail;
             }
@@ -252,17 +244,17 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
             const int kind = uni(0, 8);
             try {
                 switch (kind) {
-                    case 0: c.seq_rm(n_seq + uni(0, 3), 0, -1); break;
-                    case 1: c.seq_rm(0, 10, uni(0, 9)); break;
-                    case 2: c.seq_cp(uni(0, n_seq - 1), -1 - uni(0, 3), 0, -1); break;
+                    case 0: (void)c.seq_rm(n_seq + uni(0, 3), 0, -1); break;
+                    case 1: (void)c.seq_rm(0, 10, uni(0, 9)); break;
+                    case 2: (void)c.seq_cp(uni(0, n_seq - 1), -1 - uni(0, 3), 0, -1); break;
                     case 3: c.seq_keep(n_seq); break;
                     case 4:  // overflow past 2^31-1 for the largest position of sequence 0
                         if (m.seq_pos_max(0) >= 1)
-                            c.seq_add(0, 0, -1, std::numeric_limits<pos_t>::max() - uni(0, m.seq_pos_max(0) - 1));
+                            (void)c.seq_add(0, 0, -1, std::numeric_limits<pos_t>::max() - uni(0, m.seq_pos_max(0) - 1));
                         else
-                            c.seq_div(0, 0, -1, 0);
+                            (void)c.seq_div(0, 0, -1, 0);
                         break;
-                    case 5: c.seq_div(uni(0, n_seq - 1), 0, -1, -uni(0, 3)); break;
+                    case 5: (void)c.seq_div(uni(0, n_seq - 1), 0, -1, -uni(0, 3)); break;
                     case 6: (void)c.place(std::vector<pos_t>{uni(0, 5), -1}, std::vector<seq_id_t>{0, 0}); break;
                     case 7: (void)c.place(std::vector<pos_t>{1}, std::vector<seq_id_t>{n_seq}); break;
                     default: {

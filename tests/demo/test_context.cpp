@@ -13,6 +13,7 @@
 #include "../../examples/demo/engine/kshift_check.hpp"
 #include "../../examples/demo/engine/model.hpp"
 #include "../../examples/demo/scenarios.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -99,14 +100,14 @@ TEST_CASE("context shift: the library's default n_discard and its validation, ca
     CHECK_THROWS_WITH_AS(sc::context_shift_step(c, 0, 101), doctest::Contains("n_keep = 101"), kvcache::error);
     CHECK(c.used() == used);
     // llama.cpp's default: discard (n_past - n_keep) / 2.
-    const auto r = kvcache::ops::context_shift(c, 0, 10);
+    const auto r = kvcache::ops::context_shift(c, 0, 10).value();
     CHECK(r.n_keep == 10);
     CHECK(r.n_discard == 45);
     CHECK(r.n_past_after == 55);
     cache_t d(shape(16));
     append(d, 0, 0, 11);
     CHECK_THROWS_WITH_AS(kvcache::ops::context_shift(d, 0, 10), doctest::Contains("n_discard = 0"), kvcache::error);
-    CHECK(kvcache::ops::context_shift(d, 0, 0, 10).n_past_after == 1);
+    CHECK(kvcache::ops::context_shift(d, 0, 0, 10).value().n_past_after == 1);
 }
 
 TEST_CASE("context shift step: kvcache::ops::context_shift, then the K-shift; positions as a plain model says") {
@@ -118,7 +119,7 @@ TEST_CASE("context shift step: kvcache::ops::context_shift, then the K-shift; po
         append(*x, 1, 0, 8, &r);  // another sequence must not move
     }
     // The library call alone: the moved cells carry the delta for the K-shift.
-    const auto direct = kvcache::ops::context_shift(twin, 0, 4);  // discard 18
+    const auto direct = kvcache::ops::context_shift(twin, 0, 4).value();  // discard 18
     CHECK(direct.n_past_after == 22);
     int shifted = 0;
     for (std::uint32_t cell : twin.cells().used_cells())
@@ -206,7 +207,7 @@ TEST_CASE("Self-Extend step: kvcache::ops::self_extend; positions match a plain 
         int added = 0;
         while (added < prm.n_tokens) {
             n_past = sc::self_extend_step(c, 0, se, n_past, worst);
-            n_past_twin = kvcache::ops::self_extend(twin, 0, se_twin, n_past_twin);
+            n_past_twin = kvcache::ops::self_extend(twin, 0, se_twin, n_past_twin).value();
             kvcache::ops::apply_k_shift(twin);
             model_loop();
             REQUIRE(n_past == m_past);
@@ -279,7 +280,7 @@ TEST_CASE("K-shift check: the library's K-shift passes it, a skipped rotation fa
         append(c, 0, 0, 40, &rng);
         const auto before = demo::snapshot_k(c, 0, 0, 64);
         CHECK(before.size() == 40);
-        kvcache::ops::context_shift(c, 0, 4);  // positions 22..39 move by -18
+        REQUIRE(kvcache::ops::context_shift(c, 0, 4));  // positions 22..39 move by -18
         if (rotate)
             kvcache::ops::apply_k_shift(c);
         else
@@ -333,7 +334,7 @@ chunk_case run_chunk_case(cache_t& c, bool doc_starts_like_old, bool rotate) {
     po.min_chunk = 8;
     k.plan = kvcache::reuse::make_plan(kvcache::prompt_tokens{std::span<const kvcache::token_t>(k.cached)},
                                        kvcache::prompt_tokens{std::span<const kvcache::token_t>(k.request)}, po);
-    kvcache::reuse::apply_plan(c, 0, k.plan);
+    REQUIRE(kvcache::reuse::apply_plan(c, 0, k.plan));
     if (rotate)
         kvcache::ops::apply_k_shift(c);
     else

@@ -11,6 +11,7 @@
 
 #include "../../examples/demo/engine/engine.hpp"
 #include "reference_llama.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -111,7 +112,7 @@ TEST_CASE("interleaved sequences and a shared prefix (seq_cp) match the referenc
         }
     }
     // Sequence 2 reuses the first 12 tokens of a (shared cells, no recomputation), then diverges.
-    cache.seq_cp(0, 2, 0, 12);
+    REQUIRE(cache.seq_cp(0, 2, 0, 12));
     std::vector<int> c(a.begin(), a.begin() + 12);
     const auto tail = random_tokens(rng, 6, 40);
     c.insert(c.end(), tail.begin(), tail.end());
@@ -137,7 +138,7 @@ TEST_CASE("shifted positions: K-shift after seq_add gives the same logits as com
     std::vector<float> logits;
     const std::span<const int> all(t);
     eng.eval(cache, all.first(15), 1000, 0, logits);  // positions 1000..1014
-    cache.seq_add(0, 1000, -1, -997);                 // now 3..17
+    REQUIRE(cache.seq_add(0, 1000, -1, -997));                 // now 3..17
     CHECK(cache.has_shift());
     eng.eval(cache, all.subspan(15), 18, 0, logits);  // the engine applies the pending K-shift first
     CHECK_FALSE(cache.has_shift());

@@ -36,8 +36,8 @@ int main(int argc, char** argv) {
     write(dir, "a_whole_tokens", kvcache::io::save_state(a, tokens, media));
     write(dir, "a_seq0_tokens", kvcache::io::save_seq(a, 0, tokens, media));
     write(dir, "a_seq3", kvcache::io::save_seq(a, 3));
-    a.seq_add(1, 1, -1, 5);
-    a.seq_div(2, 0, -1, 2);
+    a.seq_add(1, 1, -1, 5).value();
+    a.seq_div(2, 0, -1, 2).value();
     write(dir, "a_whole_shifted", kvcache::io::save_state(a));
     write(dir, "a_seq2_shifted", kvcache::io::save_seq(a, 2));
 
@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
     write(dir, "ring_seq3", kvcache::io::save_seq(r, 3));
     // With pruning points (flags bit 0 and the table after the cells) and pending shifts.
     kvfuzz::prune_baseline(r);
-    r.seq_add(1, 1, -1, 2);
+    r.seq_add(1, 1, -1, 2).value();
     write(dir, "ring_pruned_whole", kvcache::io::save_state(r, tokens, media));
     write(dir, "ring_pruned_seq0", kvcache::io::save_seq(r, 0));
 #endif

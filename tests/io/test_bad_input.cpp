@@ -19,6 +19,7 @@
 
 #include "io/io_test_util.hpp"
 #include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -35,9 +36,9 @@ kv_f16 small_cache() {
     kv_f16 c(small_shape());
     std::mt19937 rng(7);
     append(c, 0, 3, rng);
-    c.seq_cp(0, 1, 0, 1);
+    REQUIRE(c.seq_cp(0, 1, 0, 1));
     append(c, 1, 1, rng);
-    c.seq_add(0, 2, -1, 3);
+    REQUIRE(c.seq_add(0, 2, -1, 3));
     return c;
 }
 
@@ -258,7 +259,7 @@ TEST_CASE("impossible cells: sequence ids, positions, shifts, duplicates") {
     kv_f16 dup(small_shape());
     std::mt19937 rng(5);
     append(dup, 0, 4, rng);
-    dup.seq_div(0, 0, -1, 2);
+    REQUIRE(dup.seq_div(0, 0, -1, 2));
     dup.clear_shifts();
     const auto db = io::save_state(dup);
     kv_f16 ok(small_shape());

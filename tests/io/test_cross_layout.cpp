@@ -15,6 +15,7 @@
 #if __has_include(<kvcache/layout/paged.hpp>) && __has_include(<kvcache/layout/ring.hpp>)
 #include <kvcache/layout/paged.hpp>
 #include <kvcache/layout/ring.hpp>
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -127,15 +128,15 @@ TEST_CASE("contiguous <-> ring: windowed sequences load, shifted ones too; colli
     auto r3 = io::load_seq(w2, 0, io::save_seq(big, 0));
     CHECK(r3.code() == errc::no_space);
     CHECK(snapshot(w2) == snap);
-    big.seq_add(0, 0, -1, 1);  // still colliding after a shift
+    REQUIRE(big.seq_add(0, 0, -1, 1));  // still colliding after a shift
     CHECK(io::load_state(w2, io::save_state(big)).code() == errc::no_space);
     CHECK(snapshot(w2) == snap);
     // The ring can move positions: pending shifts and duplicate positions load and come back.
     contig moved(sh);
     append(moved, 0, 6, rng);
     append(moved, 1, 5, rng);
-    moved.seq_add(0, 2, -1, 3);
-    moved.seq_div(1, 0, -1, 2);  // positions 0 0 1 1 2
+    REQUIRE(moved.seq_add(0, 2, -1, 3));
+    REQUIRE(moved.seq_div(1, 0, -1, 2));  // positions 0 0 1 1 2
     ring w3(sh);
     auto r4 = io::load_state(w3, io::save_state(moved));
     REQUIRE_MESSAGE(r4.ok(), r4.message());

@@ -14,6 +14,7 @@
 
 #include "io/io_test_util.hpp"
 #include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -142,7 +143,7 @@ TEST_CASE("removing one sequence does not change another sequence's saved bytes"
         std::vector<std::vector<std::byte>> saved;
         for (seq_id_t s = 0; s < 4; ++s) saved.push_back(io::save_seq(c, s));
         const seq_id_t gone = static_cast<seq_id_t>(rng() % 4);
-        c.seq_rm(gone, -1, -1);
+        REQUIRE(c.seq_rm(gone, -1, -1));
         for (seq_id_t s = 0; s < 4; ++s)
             if (s != gone) CHECK(io::save_seq(c, s) == saved[static_cast<std::size_t>(s)]);
     }
@@ -169,7 +170,7 @@ TEST_CASE("duplicate (sequence, position) pairs that seq_div creates round trip"
     kv_f32 c(io_shape(32, 2));
     std::mt19937 rng(base_seed() + 400);
     append(c, 0, 8, rng);
-    c.seq_div(0, 0, -1, 2);  // positions 0..7 -> 0,0,1,1,2,2,3,3
+    REQUIRE(c.seq_div(0, 0, -1, 2));  // positions 0..7 -> 0,0,1,1,2,2,3,3
     for (bool clear_shift : {false, true}) {
         if (clear_shift) c.clear_shifts();
         const auto bytes = io::save_state(c);

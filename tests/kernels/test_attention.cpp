@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "reference/attention_ref.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -87,13 +88,13 @@ void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed) {
     if (c.holes) {
         for (seq_id_t sq = 0; sq < static_cast<seq_id_t>(c.n_seq); ++sq) {
             const pos_t p0 = static_cast<pos_t>(rng() % 10);
-            cache.seq_rm(sq, p0, p0 + 3);
+            REQUIRE(cache.seq_rm(sq, p0, p0 + 3));
         }
         place_some(c.rounds / 3);
     }
     if (c.shared) {
         const auto dst = static_cast<seq_id_t>(c.n_seq);
-        cache.seq_cp(0, dst, 0, 12);
+        REQUIRE(cache.seq_cp(0, dst, 0, 12));
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
     using T = typename Cache::storage_type;
@@ -329,7 +330,7 @@ TEST_CASE("attention: a query that sees nothing gets zeros, never NaN") {
     // and a window that hides everything.
     std::vector<pos_t> pos = {5, 0, 1000000};
     std::vector<seq_id_t> seq = {2, 1, 0};
-    cache.seq_rm(1, 0, 1);
+    REQUIRE(cache.seq_rm(1, 0, 1));
     p.window = 1;
     kvcache::ops::attention_workspace ws;
     kvcache::ops::attention(cache, 0, q.data(), pos.data(), seq.data(), 3, p, out.data(), ws);
@@ -484,14 +485,15 @@ TEST_CASE("attention: a reused workspace follows every change of the cells") {
         const char* what = "";
         const std::uint64_t before = cache.cells().stamp();
         bool changes = false;
-        try {  // (seq_cp / seq_add may refuse: dst holds a position, no free cell for a split)
+        try {  // (seq_cp / seq_add may refuse: dst holds a position (throws), no free cell for a split (a
+             // result, thrown here by value()))
         switch (step % 8) {
             case 0: what = "place + commit"; changes = place(sq, 1 + rng() % 6, true); break;
             case 1: what = "place + restore"; static_cast<void>(place(sq, 1 + rng() % 6, false)); break;
-            case 2: what = "seq_rm"; cache.seq_rm(sq, a, a + 4); break;
-            case 3: what = "seq_cp"; cache.seq_cp(sq, static_cast<seq_id_t>(c.n_seq), a, -1); break;
-            case 4: what = "seq_add"; cache.seq_add(sq, a, -1, 3); next[static_cast<std::size_t>(sq)] += 3; break;
-            case 5: what = "seq_div"; cache.seq_div(sq, a, -1, 2); break;
+            case 2: what = "seq_rm"; cache.seq_rm(sq, a, a + 4).value(); break;
+            case 3: what = "seq_cp"; cache.seq_cp(sq, static_cast<seq_id_t>(c.n_seq), a, -1).value(); break;
+            case 4: what = "seq_add"; cache.seq_add(sq, a, -1, 3).value(); next[static_cast<std::size_t>(sq)] += 3; break;
+            case 5: what = "seq_div"; cache.seq_div(sq, a, -1, 2).value(); break;
             case 6: what = "seq_keep"; if (step % 16 == 14) cache.seq_keep(sq); break;
             default: what = "clear + refill"; if (step % 24 == 23) { cache.clear(); std::fill(next.begin(), next.end(), 0); } changes = place(sq, 8, true); break;
         }

@@ -17,6 +17,7 @@
 
 #include "reference/attention_ref.hpp"
 #include "reference/rope_ref.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -100,11 +101,11 @@ void build(Cache& cache, const fill_cfg& c, std::uint32_t seed) {
     if (c.holes) {
         for (seq_id_t sq = 0; sq < static_cast<seq_id_t>(c.n_seq); ++sq) {
             const auto p0 = static_cast<pos_t>(rng() % 10);
-            cache.seq_rm(sq, p0, p0 + 3);
+            REQUIRE(cache.seq_rm(sq, p0, p0 + 3));
         }
         place_some(c.rounds / 3);
     }
-    if (c.shared) cache.seq_cp(0, static_cast<seq_id_t>(c.n_seq), 0, 12);
+    if (c.shared) REQUIRE(cache.seq_cp(0, static_cast<seq_id_t>(c.n_seq), 0, 12));
     const float big = 1e4f;
     using T = typename Cache::storage_type;
     T bad;
@@ -346,8 +347,8 @@ void kshift_suite(std::uint32_t n_cells) {
                     const auto k_before = all_bytes(cache, false);
                     // Positions [100, 110) stay, [125, 140) move by -60 (to [65, 80)), [110, 125)
                     // by +37: tiles with unmoved, and with mixed, deltas.
-                    cache.seq_add(0, 125, -1, -60);
-                    cache.seq_add(0, 110, 125, 37);
+                    REQUIRE(cache.seq_add(0, 125, -1, -60));
+                    REQUIRE(cache.seq_add(0, 110, 125, 37));
                     std::vector<pos_t> now = pos;
                     for (auto& p : now) p = p < 110 ? p : p < 125 ? p + 37 : p - 60;
                     kvcache::ops::apply_k_shift(cache, threads, path);
@@ -397,8 +398,8 @@ TEST_CASE("custom element: the SIMD and scalar K-shift paths agree to one fixed1
     fill_rope(a, pos, ra);
     fill_rope(b, pos, rb);
     for (auto* c : {&a, &b}) {
-        c->seq_add(0, 0, 30, 1000);
-        c->seq_add(0, 30, -1, 7);
+        REQUIRE(c->seq_add(0, 0, 30, 1000));
+        REQUIRE(c->seq_add(0, 30, -1, 7));
     }
     kvcache::ops::apply_k_shift(a, 1, kvcache::ops::kernel_path::simd);
     kvcache::ops::apply_k_shift(b, 1, kvcache::ops::kernel_path::scalar);

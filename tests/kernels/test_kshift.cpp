@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "reference/rope_ref.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -146,8 +147,8 @@ TEST_CASE_TEMPLATE("K-shift: rope(rope(x, p), d) == rope(x, p + d)", E, kvcache:
                 const auto v_before = all_bytes(cache, true);
                 // Shift the low half by +37 and the high half by -1234567 (two distinct deltas,
                 // a tile with both: mixed per-lane tables).
-                cache.seq_add(0, 0, 1000, 37);
-                cache.seq_add(0, 1000, -1, -1234567);
+                REQUIRE(cache.seq_add(0, 0, 1000, 37));
+                REQUIRE(cache.seq_add(0, 1000, -1, -1234567));
                 std::vector<pos_t> now = pos;
                 for (auto& p : now) p = p < 1000 ? p + 37 : p - 1234567;
                 CHECK(cache.has_shift());
@@ -176,7 +177,7 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
         kvcache::kv_cache<E> cache(s);
         const auto x = fill(cache, pos, rng);
         const pos_t d = std::numeric_limits<pos_t>::max() - 100;
-        cache.seq_add(0, 0, -1, d);
+        REQUIRE(cache.seq_add(0, 0, -1, d));
         kvcache::ops::apply_k_shift(cache);
         std::vector<pos_t> now = pos;
         for (auto& p : now) p += d;
@@ -187,9 +188,9 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
         std::mt19937 r2 = rng;
         fill(a, pos, rng);
         fill(b, pos, r2);
-        a.seq_add(0, 0, -1, 1000);
-        a.seq_add(0, 0, -1, -250);
-        b.seq_add(0, 0, -1, 750);
+        REQUIRE(a.seq_add(0, 0, -1, 1000));
+        REQUIRE(a.seq_add(0, 0, -1, -250));
+        REQUIRE(b.seq_add(0, 0, -1, 750));
         kvcache::ops::apply_k_shift(a);
         kvcache::ops::apply_k_shift(b);
         CHECK(all_bytes(a, false) == all_bytes(b, false));
@@ -197,7 +198,7 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
     SUBCASE("seq_div shifts by new - old position") {
         kvcache::kv_cache<E> cache(s);
         const auto x = fill(cache, pos, rng);
-        cache.seq_div(0, 10, 30, 4);
+        REQUIRE(cache.seq_div(0, 10, 30, 4));
         std::vector<pos_t> now = pos;
         for (auto& p : now)
             if (p >= 10 && p < 30) p /= 4;
@@ -210,8 +211,8 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
         const auto k0 = all_bytes(cache, false);
         kvcache::ops::apply_k_shift(cache);
         CHECK(all_bytes(cache, false) == k0);
-        cache.seq_add(0, 0, -1, 5);
-        cache.seq_add(0, 0, -1, -5);
+        REQUIRE(cache.seq_add(0, 0, -1, 5));
+        REQUIRE(cache.seq_add(0, 0, -1, -5));
         kvcache::ops::apply_k_shift(cache);
         CHECK(all_bytes(cache, false) == k0);
     }
@@ -229,7 +230,7 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
                     for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, c, d)] = bad;
         }
         const auto k0 = all_bytes(cache, false);
-        cache.seq_add(0, 20, -1, 3);  // cells 17.. move; cells 0..16 do not
+        REQUIRE(cache.seq_add(0, 20, -1, 3));  // cells 17.. move; cells 0..16 do not
         kvcache::ops::apply_k_shift(cache);
         const auto k1 = all_bytes(cache, false);
         const std::size_t per_cell = std::size_t{s.n_head_kv} * s.dim_k();

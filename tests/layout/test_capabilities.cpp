@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "layout_test_util.hpp"
+#include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -100,9 +102,11 @@ struct wrong_hooks {
     void on_commit(cell_table&) {}                      // not noexcept
     int pruned_below(seq_id_t) const { return 0; }      // pos_t is int: fine, but no set_pruned_below
     void check_seq_rm(cell_table&, seq_id_t, std::int64_t, std::int64_t) {}  // not const
+    void check_seq_cp(const cell_table&, seq_id_t, seq_id_t, std::int64_t, std::int64_t) const {}  // returns void
+    std::vector<std::uint32_t> split_targets(const cell_table&, seq_id_t, std::uint32_t) { return {}; }  // not a result
 };
 static_assert(!placement_plan_hook<wrong_hooks> && !on_commit_hook<wrong_hooks> && !pruning_hook<wrong_hooks> &&
-              !seq_rm_check_hook<wrong_hooks>);
+              !seq_rm_check_hook<wrong_hooks> && !seq_cp_check_hook<wrong_hooks> && !split_targets_hook<wrong_hooks>);
 
 // ---- a user layout: the declared hooks are what the cache calls
 struct counting_layout {
@@ -119,14 +123,16 @@ struct counting_layout {
         using tiled_kv_storage<Element, v_layout::row_major>::tiled_kv_storage;
 
         void on_commit(cell_table&) noexcept { ++commits; }
-        /// Refuses removing position 0 of any sequence.
-        void check_seq_rm(const cell_table&, seq_id_t, std::int64_t lo, std::int64_t) const {
-            if (lo <= 0) detail::fail(errc::unsupported, "counting: position 0 is pinned");
+        /// Refuses removing position 0 of any sequence (an unsupported result).
+        result<void> check_seq_rm(const cell_table&, seq_id_t, std::int64_t lo, std::int64_t) const {
+            if (lo <= 0) return detail::make_error(errc::unsupported, "counting: position 0 is pinned");
+            return {};
         }
-        void check_seq_shift(const cell_table&, const char* fn, seq_id_t, std::int64_t, std::int64_t,
-                             position_move f) const {
+        result<void> check_seq_shift(const cell_table&, const char* fn, seq_id_t, std::int64_t, std::int64_t,
+                                     position_move f) const {
             last_fn = fn;
             last_move = f;
+            return {};
         }
         std::uint64_t held_cells(const cell_table& cells) const noexcept { return cells.size(); }
 
@@ -153,18 +159,21 @@ TEST_CASE("a user layout's declared hooks are called by the cache") {
     CHECK(cache.commit() == tx_result::nothing_staged);
     CHECK(cache.storage().commits == 1);  // only a commit of staged placements runs the hook
 
-    // seq_rm_check refuses: nothing changed
-    CHECK_THROWS_AS(cache.seq_rm(0, 0, 2), error);
+    // seq_rm_check refuses: its error result comes back from seq_rm, nothing changed
+    const auto before = kvtest::snapshot(cache);
+    const auto refused = cache.seq_rm(0, 0, 2);
+    CHECK(kvtest::refused_with(refused, errc::unsupported, "counting: position 0 is pinned"));
+    CHECK(kvtest::snapshot(cache) == before);
     CHECK(cache.used() == 4);
-    cache.seq_rm(0, 3, -1);
+    REQUIRE(cache.seq_rm(0, 3, -1));
     CHECK(cache.used() == 3);
 
     // seq_shift_check receives the move as a position_move
-    cache.seq_add(0, 1, -1, 7);
+    REQUIRE(cache.seq_add(0, 1, -1, 7));
     REQUIRE(cache.storage().last_fn != nullptr);
     CHECK(std::string(cache.storage().last_fn) == "seq_add");
     CHECK(cache.storage().last_move(5) == 12);
-    cache.seq_div(0, 0, 9, 2);  // positions 0, 8 -> 0, 4; 9 stays
+    REQUIRE(cache.seq_div(0, 0, 9, 2));  // positions 0, 8 -> 0, 4; 9 stays
     CHECK(std::string(cache.storage().last_fn) == "seq_div");
     CHECK(cache.storage().last_move(9) == 4);
     CHECK(cache.seq_pos_max(0) == 9);

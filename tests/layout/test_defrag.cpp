@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "layout_test_util.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -34,11 +35,11 @@ void fragment(Cache& cache, kvtest::layout_model& model, std::mt19937& rng, int 
             }
         } else if (op < 9) {
             const pos_t p0 = pick(0, std::max(0, cache.seq_pos_max(s))), p1 = p0 + pick(1, 20);
-            cache.seq_rm(s, p0, p1);
+            REQUIRE(cache.seq_rm(s, p0, p1));
             model.seq_rm(s, p0, p1);
         } else {
             const pos_t p0 = pick(0, 50), d = pick(-3, 3);  // pending shifts move with their cells
-            cache.seq_add(s, p0, -1, d);
+            REQUIRE(cache.seq_add(s, p0, -1, d));
             model.seq_add(s, p0, -1, d);
         }
     }
@@ -128,7 +129,7 @@ TEST_CASE("defrag: bounded moves per pass, thresholds, refusals") {
         REQUIRE(kvtest::append(cache, model, i % 2, static_cast<pos_t>(i / 2 * 30), 30, rng));
         cache.commit();
     }
-    cache.seq_rm(0, -1, -1);  // holes: every other run of 30 cells
+    REQUIRE(cache.seq_rm(0, -1, -1));  // holes: every other run of 30 cells
     const auto before = kvtest::observe(cache);
     const double frag = ops::fragmentation(cache);
     CHECK(frag > 0.4);
@@ -155,7 +156,7 @@ TEST_CASE("defrag: bounded moves per pass, thresholds, refusals") {
     p.threshold = 1.5f;
     CHECK_THROWS_WITH_AS(ops::defrag(cache, p), doctest::Contains("threshold = 1.5"), kvcache::error);
     p.threshold = 0.0f;
-    cache.seq_rm(1, 0, 30);
+    REQUIRE(cache.seq_rm(1, 0, 30));
     const auto before2 = kvtest::observe(cache);
     REQUIRE(kvtest::append(cache, model, 0, 0, 1, rng));
     CHECK_THROWS_WITH_AS(ops::defrag(cache, p), doctest::Contains("transaction_open"), kvcache::error);

@@ -20,6 +20,7 @@
 
 #include "layout_test_util.hpp"
 #include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -158,9 +159,9 @@ TEST_CASE("iswa: placement and sequence ops are atomic across both caches") {
     CHECK_FALSE(c.in_transaction());
     unchanged();
     // a refusal of the ring (pruned positions) leaves the full cache unchanged too
-    CHECK_THROWS_WITH_AS(c.seq_rm(0, 2, 5), doctest::Contains("unsupported"), kvcache::error);
+    CHECK(kvtest::refused_result(c.seq_rm(0, 2, 5), "unsupported"));
     unchanged();
-    CHECK_THROWS_WITH_AS(c.seq_add(0, -1, -1, 2), doctest::Contains("unsupported"), kvcache::error);
+    CHECK(kvtest::refused_result(c.seq_add(0, -1, -1, 2), "unsupported"));
     unchanged();
     // staged placements from an earlier micro-batch survive a refused one, and restore drops both
     REQUIRE(iswa_append(c, model, 1, 0, 4, rng));
@@ -170,8 +171,8 @@ TEST_CASE("iswa: placement and sequence ops are atomic across both caches") {
     model.restore();
     unchanged();
     // allowed ops apply to both
-    c.seq_cp(0, 1, 20, -1);
-    c.seq_rm(0, 29, -1);
+    REQUIRE(c.seq_cp(0, 1, 20, -1));
+    REQUIRE(c.seq_rm(0, 29, -1));
     CHECK(c.seq_pos_max(0) == 28);
     CHECK(c.swa().seq_pos_max(0) == 28);
     CHECK(c.full().seq_pos_max(1) == 29);
@@ -194,20 +195,18 @@ TEST_CASE("iswa: seq_add / seq_div move both caches or neither, whichever refuse
     auto both = [&] { return std::make_pair(kvtest::snapshot(c.full()), kvtest::snapshot(c.swa())); };
     auto refused = [&](auto op, errc code, const char* needle) {
         const auto before = both();
-        try {
-            op();
-            FAIL("not refused: " << needle);
-        } catch (const kvcache::error& e) {
-            CHECK(e.code() == code);
-            CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
-        }
+        const kvtest::refusal r = kvtest::run_refusal(op);  // arguments throw; no room / pruned: a result
+        REQUIRE_MESSAGE(r.kind != kvtest::refusal_kind::none, "not refused: " << needle);
+        CHECK(r.kind == kvtest::rule_kind(code));
+        CHECK(r.code == code);
+        CHECK_MESSAGE(r.message.find(needle) != std::string::npos, r.message);
         CHECK(both() == before);
     };
     // nothing pruned yet: moves apply to both caches and leave a K-shift in both
     REQUIRE(iswa_append(c, model, 0, 0, 12, rng));
     c.commit();
-    c.seq_add(0, 6, -1, 2);
-    c.seq_div(0, 0, 4, 2);
+    REQUIRE(c.seq_add(0, 6, -1, 2));
+    REQUIRE(c.seq_div(0, 0, 4, 2));
     CHECK(c.full().cells().seq_positions(0) == c.swa().cells().seq_positions(0));
     CHECK(c.full().has_shift());
     CHECK(c.swa().has_shift());
@@ -224,29 +223,29 @@ TEST_CASE("iswa: seq_add / seq_div move both caches or neither, whichever refuse
     REQUIRE(iswa_append(c, model, 0, 18, 1, rng));
     c.commit();
     REQUIRE(c.swa().storage().pruned_below(0) == 3);
-    refused([&] { c.seq_add(0, 2, -1, 1); }, errc::unsupported, "cannot move the range [2, end)");
-    refused([&] { c.seq_add(0, 10, -1, -2); }, errc::unsupported, "would end at 16");
-    refused([&] { c.seq_div(0, -1, -1, 2); }, errc::unsupported, "no positions below 3");
+    refused([&] { return c.seq_add(0, 2, -1, 1); }, errc::unsupported, "cannot move the range [2, end)");
+    refused([&] { return c.seq_add(0, 10, -1, -2); }, errc::unsupported, "would end at 16");
+    refused([&] { return c.seq_div(0, -1, -1, 2); }, errc::unsupported, "no positions below 3");
     // the full cache refuses (no free cell to split 10 shared cells): the ring stays unchanged
-    c.seq_cp(0, 1, -1, -1);
+    REQUIRE(c.seq_cp(0, 1, -1, -1));
     REQUIRE(iswa_append(c, model, 1, 19, 16, rng));
     c.commit();
     REQUIRE(c.full().capacity() - c.full().used() < 10);
-    refused([&] { c.seq_add(0, 9, -1, 1); }, errc::no_space, "free cells");
+    refused([&] { return c.seq_add(0, 9, -1, 1); }, errc::no_space, "free cells");
     // the ring refuses (no free cell to split its shared cells) before the full cache moves
     c.clear();
     REQUIRE(iswa_append(c, model, 0, 0, 16, rng));
     c.commit();
     REQUIRE(iswa_append(c, model, 1, 100, 16, rng));
     c.commit();
-    c.seq_cp(0, 1, -1, -1);  // 16 shared cells; the ring has 2 free
-    refused([&] { c.seq_add(1, 0, 16, 1); }, errc::no_space, "sliding-window cache");
+    REQUIRE(c.seq_cp(0, 1, -1, -1));  // 16 shared cells; the ring has 2 free
+    refused([&] { return c.seq_add(1, 0, 16, 1); }, errc::no_space, "sliding-window cache");
     // invalid arguments are refused by the full cache first, with its usual message
-    refused([&] { c.seq_add(5, 0, 16, 1); }, errc::invalid_argument, "seq_id = 5");
-    refused([&] { c.seq_div(0, 0, -1, 0); }, errc::invalid_argument, "d = 0");
-    refused([&] { c.seq_add(0, 9, 3, 1); }, errc::invalid_argument, "reversed range");
+    refused([&] { return c.seq_add(5, 0, 16, 1); }, errc::invalid_argument, "seq_id = 5");
+    refused([&] { return c.seq_div(0, 0, -1, 0); }, errc::invalid_argument, "d = 0");
+    refused([&] { return c.seq_add(0, 9, 3, 1); }, errc::invalid_argument, "reversed range");
     // and a move both accept
-    c.seq_add(1, 100, -1, 4);
+    REQUIRE(c.seq_add(1, 100, -1, 4));
     CHECK(c.full().seq_pos_max(1) == 119);
     CHECK(c.swa().seq_pos_max(1) == 119);
     kvcache::ops::apply_k_shift(c);
@@ -277,8 +276,8 @@ TEST_CASE("memory accounting: reserved, used, held and waste per layout") {
     CHECK(b.held_bytes == (1 + 1 + 2 + 3) * 32 * bpt);  // blocks per sequence: ceil(len / 32)
     CHECK(b.waste_bytes() == (224 - 150) * bpt);
     // forks share blocks: used and held do not grow
-    paged_c.seq_rm(0, -1, -1);
-    paged_c.seq_cp(3, 0, -1, -1);
+    REQUIRE(paged_c.seq_rm(0, -1, -1));
+    REQUIRE(paged_c.seq_cp(3, 0, -1, -1));
     CHECK(ops::memory(paged_c).used_bytes == b.used_bytes - 5 * bpt);
     CHECK(ops::memory(paged_c).held_bytes == b.held_bytes - 32 * bpt);
     kv_cache<f16, ring<W>> r(kvtest::layout_shape(ring<W>::cells_for(4, 8), 4));

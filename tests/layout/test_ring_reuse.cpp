@@ -31,6 +31,7 @@
 #include "layout_test_util.hpp"
 #include "roped_reference.hpp"
 #include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -117,13 +118,11 @@ template <class Op>
 void refused(ring_cache& c, Op op, std::vector<const char*> needles, errc code = errc::unsupported) {
     const auto before = kvtest::snapshot(c);
     const pos_t w = c.storage().pruned_below(0);
-    try {
-        op();
-        FAIL("not refused");
-    } catch (const kvcache::error& e) {
-        CHECK(e.code() == code);
-        for (const char* n : needles) CHECK_MESSAGE(std::string(e.what()).find(n) != std::string::npos, e.what());
-    }
+    const kvtest::refusal r = kvtest::run_refusal(op);  // arguments throw; pruned positions are a result
+    REQUIRE_MESSAGE(r.kind != kvtest::refusal_kind::none, "not refused");
+    CHECK(r.kind == kvtest::rule_kind(code));
+    CHECK(r.code == code);
+    for (const char* n : needles) CHECK_MESSAGE(r.message.find(n) != std::string::npos, r.message);
     CHECK(kvtest::snapshot(c) == before);
     CHECK(c.storage().pruned_below(0) == w);
     CHECK(c.storage().check_invariants(c.cells()) == "");
@@ -139,8 +138,8 @@ TEST_CASE("ring reuse: chunk reuse before anything is pruned equals a contiguous
         twins t;
         t.fill(0, 14, rng);  // 14 < W: nothing pruned
         REQUIRE(t.swa.storage().pruned_below(0) == 0);
-        reuse::apply_plan(t.swa, 0, p);
-        reuse::apply_plan(t.flat, 0, p);
+        REQUIRE(reuse::apply_plan(t.swa, 0, p));
+        REQUIRE(reuse::apply_plan(t.flat, 0, p));
         t.on_ref(plan_steps(p));
         CHECK(t.swa.seq_pos_max(0) == static_cast<pos_t>(p.n_past) - 1);
         t.check_same(static_cast<pos_t>(p.n_past), rng);
@@ -153,19 +152,19 @@ TEST_CASE("ring reuse: a plan that needs pruned positions at any step is refused
     t.fill(0, 40, rng);
     REQUIRE(t.swa.storage().pruned_below(0) == 24);  // 39 - 16 + 1
     // step 1 alone would run; step 2 lowers the end by 3: the next window would start at 22
-    refused(t.swa, [&] { reuse::apply_plan(t.swa, 0, make(30, {{33, 30, 7}}, 37)); },
+    refused(t.swa, [&] { return reuse::apply_plan(t.swa, 0, make(30, {{33, 30, 7}}, 37)); },
             {"apply_plan: step 2 of 3", "seq_rm(0, 30, 33), seq_add(0, 33, 40, -3), seq_rm(0, 37, end)",
              "no positions below 24", "would end at 36"});
     // four steps run, the final truncation would leave the sequence ending at 30
-    refused(t.swa, [&] { reuse::apply_plan(t.swa, 0, make(26, {{27, 26, 3}, {32, 29, 2}}, 31)); },
+    refused(t.swa, [&] { return reuse::apply_plan(t.swa, 0, make(26, {{27, 26, 3}, {32, 29, 2}}, 31)); },
             {"apply_plan: step 5 of 5", "no positions below 24", "leaves it ending at 30"});
     // the first step reaches below the pruning point
-    refused(t.swa, [&] { reuse::apply_plan(t.swa, 0, make(10, {{20, 10, 20}}, 30)); },
+    refused(t.swa, [&] { return reuse::apply_plan(t.swa, 0, make(10, {{20, 10, 20}}, 30)); },
             {"apply_plan: step 1 of 3", "cannot remove the range [10, 20)"});
     // no move: the plain seq_rm refusal, as before
-    refused(t.swa, [&] { reuse::apply_plan(t.swa, 0, make(30, {}, 30)); }, {"seq_rm: sequence 0", "ending at 29"});
+    refused(t.swa, [&] { return reuse::apply_plan(t.swa, 0, make(30, {}, 30)); }, {"seq_rm: sequence 0", "ending at 29"});
     // what the contiguous cache does with the same plans
-    reuse::apply_plan(t.flat, 0, make(30, {{33, 30, 7}}, 37));
+    REQUIRE(reuse::apply_plan(t.flat, 0, make(30, {{33, 30, 7}}, 37)));
     CHECK(t.flat.seq_pos_max(0) == 36);
 }
 
@@ -179,8 +178,8 @@ TEST_CASE("ring reuse: chunk reuse above the pruning point equals a contiguous c
         twins t;
         t.fill(0, 40, rng);
         REQUIRE(t.swa.storage().pruned_below(0) == 24);
-        reuse::apply_plan(t.swa, 0, p);
-        reuse::apply_plan(t.flat, 0, p);
+        REQUIRE(reuse::apply_plan(t.swa, 0, p));
+        REQUIRE(reuse::apply_plan(t.flat, 0, p));
         t.on_ref(plan_steps(p));
         t.check_same(static_cast<pos_t>(p.n_past), rng);
     }
@@ -194,15 +193,15 @@ TEST_CASE("ring reuse: Self-Extend on a pruned ring is refused whole where a ste
     // round 1: seq_add(26, 40, 26) and seq_div(52, 56, 2) alone would run; the third call
     // lowers the end to 37 and the next window would start at 23
     ops::self_extend_state st{2, 4, 26};
-    refused(t.swa, [&] { ops::self_extend(t.swa, 0, st, 40); },
+    refused(t.swa, [&] { return ops::self_extend(t.swa, 0, st, 40); },
             {"self_extend: step 3 of ", "seq_add(0, 26, 40, 26), seq_div(0, 52, 56, 2), seq_add(0, 56, 66, -28)",
              "no positions below 24", "would end at 37"});
     CHECK(st.ga_i == 26);
     ops::self_extend_state from0{4, 16, 0};
-    refused(t.swa, [&] { ops::self_extend(t.swa, 0, from0, 40); }, {"self_extend: step 1 of", "reaches below it"});
+    refused(t.swa, [&] { return ops::self_extend(t.swa, 0, from0, 40); }, {"self_extend: step 1 of", "reaches below it"});
     CHECK(from0.ga_i == 0);
     // the contiguous cache takes both
-    CHECK(ops::self_extend(t.flat, 0, st, 40) < 40);
+    CHECK(ops::self_extend(t.flat, 0, st, 40).value() < 40);
 }
 
 TEST_CASE("ring reuse: Self-Extend above the pruning point equals a contiguous cache") {
@@ -215,8 +214,8 @@ TEST_CASE("ring reuse: Self-Extend above the pruning point equals a contiguous c
     // one round (ga_n 2, ga_w 2: bd = 1) from ga_i 38: 38, 39 -> 76, 77 -> 38, 38; ends at 38
     ops::self_extend_state a{2, 2, 38}, b = a;
     const auto steps = self_extend_steps(a, 40);
-    const pos_t np = ops::self_extend(t.swa, 0, a, 40);
-    CHECK(ops::self_extend(t.flat, 0, b, 40) == np);
+    const pos_t np = ops::self_extend(t.swa, 0, a, 40).value();
+    CHECK(ops::self_extend(t.flat, 0, b, 40).value() == np);
     CHECK(np == 39);
     CHECK(a.ga_i == b.ga_i);
     t.on_ref(steps);
@@ -254,13 +253,16 @@ TEST_CASE("ring reuse: random plans and Self-Extends on a pruned ring are refuse
         const ops::self_extend_state st0 = st;
         const auto before = kvtest::snapshot(t.swa);
         pos_t n_past = static_cast<pos_t>(p.n_past);
-        try {
-            if (extend)
-                n_past = ops::self_extend(t.swa, 0, st, n_tok);
-            else
-                reuse::apply_plan(t.swa, 0, p);
-        } catch (const kvcache::error& e) {
-            CHECK(e.code() == errc::unsupported);
+        errc refusal = errc::ok;  // pruned positions: an error result, not an exception
+        if (extend) {
+            const auto r = ops::self_extend(t.swa, 0, st, n_tok);
+            if (r) n_past = r.value();
+            refusal = r.code();
+        } else {
+            refusal = reuse::apply_plan(t.swa, 0, p).code();
+        }
+        if (refusal != errc::ok) {
+            CHECK(refusal == errc::unsupported);
             CHECK(kvtest::snapshot(t.swa) == before);
             CHECK(st.ga_i == st0.ga_i);
             ++n_refused;
@@ -269,10 +271,10 @@ TEST_CASE("ring reuse: random plans and Self-Extends on a pruned ring are refuse
         ++n_done;
         if (extend) {
             ops::self_extend_state flat_st = st0;
-            CHECK(ops::self_extend(t.flat, 0, flat_st, n_tok) == n_past);
+            CHECK(ops::self_extend(t.flat, 0, flat_st, n_tok).value() == n_past);
             CHECK(flat_st.ga_i == st.ga_i);
         } else {
-            reuse::apply_plan(t.flat, 0, p);
+            REQUIRE(reuse::apply_plan(t.flat, 0, p));
         }
         t.on_ref(steps);
         t.check_same(n_past, rng);
@@ -290,7 +292,7 @@ TEST_CASE("apply_plan: a malformed plan is refused before its first step (any la
     auto bad = [&](const reuse::plan& p, const char* needle) {
         CHECK_THROWS_WITH_AS(reuse::apply_plan(t.flat, 0, p), doctest::Contains(needle), kvcache::error);
         CHECK(kvtest::snapshot(t.flat) == before);
-        refused(t.swa, [&] { reuse::apply_plan(t.swa, 0, p); }, {needle}, errc::invalid_argument);
+        refused(t.swa, [&] { return reuse::apply_plan(t.swa, 0, p); }, {needle}, errc::invalid_argument);
     };
     // the first move is fine; the second one's seq_rm(dst, src) would be a reversed range
     bad(make(2, {{4, 2, 3}, {6, 9, 2}}, 7), "moves[1] = {src 6, dst 9, n 2}");
@@ -306,14 +308,14 @@ TEST_CASE("ops::memory on a ring: occupied cells past the last region count as h
     kvtest::layout_model model(2);
     REQUIRE(kvtest::append(c, model, 0, 0, 8, rng));  // region 0: cells 0..7
     c.commit();
-    c.seq_cp(0, 1, -1, -1);
-    c.seq_add(1, 0, -1, 1);  // 8 split copies: region 1, cells 9..16
-    c.seq_cp(1, 0, 8, 9);
-    c.seq_add(0, 8, 9, 1);   // sequence 0's copy fills region 0 (cell 8)
-    c.seq_cp(0, 1, 9, 10);
-    c.seq_add(1, 9, 10, 1);  // sequence 1's copy fills region 1 (cell 17)
-    c.seq_cp(0, 1, 0, 1);
-    c.seq_add(1, 0, 1, 20);  // both regions full: the copy goes to cell 18
+    REQUIRE(c.seq_cp(0, 1, -1, -1));
+    REQUIRE(c.seq_add(1, 0, -1, 1));  // 8 split copies: region 1, cells 9..16
+    REQUIRE(c.seq_cp(1, 0, 8, 9));
+    REQUIRE(c.seq_add(0, 8, 9, 1));   // sequence 0's copy fills region 0 (cell 8)
+    REQUIRE(c.seq_cp(0, 1, 9, 10));
+    REQUIRE(c.seq_add(1, 9, 10, 1));  // sequence 1's copy fills region 1 (cell 17)
+    REQUIRE(c.seq_cp(0, 1, 0, 1));
+    REQUIRE(c.seq_add(1, 0, 1, 20));  // both regions full: the copy goes to cell 18
     REQUIRE(c.used() == 19);
     CHECK_FALSE(c.cells().is_free(18));
     const auto m = ops::memory(c);

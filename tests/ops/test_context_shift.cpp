@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "support/cache_snapshot.hpp"
+#include "support/result_check.hpp"
 
 namespace {
 
@@ -88,7 +89,7 @@ TEST_CASE("context_shift keeps n_keep, discards n_discard, shifts the rest (F13)
     std::vector<std::vector<float>> base;
     fill(c, 0, 60, base);
     const auto orig = positions_by_cell(c.cells());
-    auto r = kvcache::ops::context_shift(c, 0, 4);  // default n_discard = (60 - 4) / 2 = 28
+    auto r = kvcache::ops::context_shift(c, 0, 4).value();  // default n_discard = (60 - 4) / 2 = 28
     CHECK(r.n_discard == 28);
     CHECK(r.n_past_after == 32);
     CHECK(c.used() == 32);
@@ -102,7 +103,7 @@ TEST_CASE("context_shift keeps n_keep, discards n_discard, shifts the rest (F13)
     CHECK_FALSE(c.has_shift());
     check_k_matches_positions(c, orig, base);
     // Memory stays constant: the freed cells take the next tokens.
-    auto r2 = kvcache::ops::context_shift(c, 0, 0, 1);
+    auto r2 = kvcache::ops::context_shift(c, 0, 0, 1).value();
     CHECK(r2.n_past_after == 31);
 }
 
@@ -112,25 +113,23 @@ TEST_CASE("context_shift refuses invalid n_keep / n_discard and changes nothing"
     fill(c, 0, 20, base);
     auto refused = [&](auto f, const char* needle, kvcache::errc code = kvcache::errc::invalid_argument) {
         const auto before = kvtest::snapshot(c);
-        try {
-            f();
-            FAIL("accepted");
-        } catch (const kvcache::error& e) {
-            CHECK(e.code() == code);
-            CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
-        }
+        const kvtest::refusal r = kvtest::run_refusal(f);  // arguments throw; no room is an error result
+        REQUIRE_MESSAGE(r.kind != kvtest::refusal_kind::none, "accepted");
+        CHECK(r.kind == kvtest::rule_kind(code));
+        CHECK(r.code == code);
+        CHECK_MESSAGE(r.message.find(needle) != std::string::npos, r.message);
         CHECK(kvtest::snapshot(c) == before);
     };
-    refused([&] { kvcache::ops::context_shift(c, 0, -1); }, "n_keep = -1");
-    refused([&] { kvcache::ops::context_shift(c, 0, 21); }, "n_keep = 21");
-    refused([&] { kvcache::ops::context_shift(c, 0, 4, -8); }, "n_discard = -8");  // the CVE case
-    refused([&] { kvcache::ops::context_shift(c, 0, 4, 0); }, "n_discard = 0");
-    refused([&] { kvcache::ops::context_shift(c, 0, 4, 17); }, "n_discard = 17");
-    refused([&] { kvcache::ops::context_shift(c, 0, 20); }, "n_discard = 0");  // nothing left to discard
-    refused([&] { kvcache::ops::context_shift(c, 3, 0); }, "seq_id = 3");
+    refused([&] { return kvcache::ops::context_shift(c, 0, -1); }, "n_keep = -1");
+    refused([&] { return kvcache::ops::context_shift(c, 0, 21); }, "n_keep = 21");
+    refused([&] { return kvcache::ops::context_shift(c, 0, 4, -8); }, "n_discard = -8");  // the CVE case
+    refused([&] { return kvcache::ops::context_shift(c, 0, 4, 0); }, "n_discard = 0");
+    refused([&] { return kvcache::ops::context_shift(c, 0, 4, 17); }, "n_discard = 17");
+    refused([&] { return kvcache::ops::context_shift(c, 0, 20); }, "n_discard = 0");  // nothing left to discard
+    refused([&] { return kvcache::ops::context_shift(c, 3, 0); }, "seq_id = 3");
     // Shared cells need room to split: 12 free cells, 16 shared cells to move.
-    c.seq_cp(0, 1, -1, -1);
-    refused([&] { kvcache::ops::context_shift(c, 0, 0, 4); }, "needs 16 free cells", kvcache::errc::no_space);
+    REQUIRE(c.seq_cp(0, 1, -1, -1));
+    refused([&] { return kvcache::ops::context_shift(c, 0, 0, 4); }, "needs 16 free cells", kvcache::errc::no_space);
 }
 
 TEST_CASE("self_extend positions follow the seed's loop; K equals RoPE at the new positions (F14)") {
@@ -164,7 +163,7 @@ TEST_CASE("self_extend positions follow the seed's loop; K equals RoPE at the ne
             gi += ga_w / ga_n;
         }
         kvcache::ops::self_extend_state st{ga_n, ga_w, 0};
-        const pos_t got = kvcache::ops::self_extend(c, 0, st, n_past);
+        const pos_t got = kvcache::ops::self_extend(c, 0, st, n_past).value();
         CHECK(got == np);
         CHECK(st.ga_i == gi);
         for (const auto& [cell, p0] : orig) CHECK(c.cells().pos(cell) == sim[static_cast<std::size_t>(p0)]);
@@ -189,6 +188,6 @@ TEST_CASE("self_extend refuses invalid parameters and changes nothing") {
     CHECK_THROWS_AS(kvcache::ops::self_extend(c, 5, ok, 40), kvcache::error);
     CHECK(kvtest::snapshot(c) == before);
     kvcache::ops::self_extend_state one{1, 16, 0};
-    CHECK(kvcache::ops::self_extend(c, 0, one, 40) == 40);  // ga_n = 1: nothing to group
+    CHECK(kvcache::ops::self_extend(c, 0, one, 40).value() == 40);  // ga_n = 1: nothing to group
     CHECK(kvtest::snapshot(c) == before);
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "prompt/toy_model.hpp"
+#include "support/result_check.hpp"
 
 using kvcache::prompt_tokens;
 using kvcache::token_t;
@@ -27,7 +28,7 @@ struct fixture {
     explicit fixture(kvcache::prompt_cache_limits lim = {}, Store st = Store{}) : pc(lim, std::move(st)) {}
     /// Computes p into sequence 0 and saves it.
     std::optional<std::uint64_t> put(const prompt_tokens& p, kvcache::entry_options o = {}) {
-        cache.seq_rm(0, -1, -1);
+        REQUIRE(cache.seq_rm(0, -1, -1));
         toy::fill(cache, 0, p, 0, p.size());
         return pc.save(cache, 0, p, o);
     }
@@ -110,7 +111,7 @@ TEST_CASE("prompt_cache: radix selection equals the linear scan on random prompt
     for (int it = 0; it < 4000; ++it) {
         const auto op = rng() % 10;
         if (op < 4) {
-            cache.seq_rm(0, -1, -1);
+            REQUIRE(cache.seq_rm(0, -1, -1));
             const prompt_tokens p = random_prompt();
             toy::fill(cache, 0, p, 0, p.size());
             static_cast<void>(pc.save(cache, 0, p, {rng() % 2}));
@@ -135,7 +136,7 @@ TEST_CASE("prompt_cache: radix selection equals the linear scan on random prompt
                     REQUIRE(got.ok());
                     REQUIRE(got.value().tokens == t);
                     REQUIRE(pc.tokens_of(fast->id) == nullptr);
-                    cache.seq_rm(1, -1, -1);
+                    REQUIRE(cache.seq_rm(1, -1, -1));
                 }
             }
         }
@@ -181,7 +182,7 @@ TEST_CASE("prompt_cache: load moves the entry's K/V into the slot bit-exactly") 
     p.push_media(99, 4);
     p.push_back(3);
     REQUIRE(f.put(p));
-    f.cache.seq_rm(0, -1, -1);
+    REQUIRE(f.cache.seq_rm(0, -1, -1));
     CHECK(f.pc.bytes() > 55 * f.cache.bytes_per_token());
     const auto s = f.pc.find(p);
     REQUIRE(s);
@@ -324,7 +325,7 @@ TEST_CASE("prompt_cache: a hit after the eviction of a parent entry returns the 
     const auto s = f.pc.select(cat(child_a, toy::text(2, 7)));
     REQUIRE(s);
     CHECK(s->lcp == 40);
-    f.cache.seq_rm(1, -1, -1);
+    REQUIRE(f.cache.seq_rm(1, -1, -1));
     auto got = f.pc.load(f.cache, 1, s->id);
     REQUIRE(got.ok());
     CHECK(got.value().tokens == child_a);
@@ -343,7 +344,7 @@ TEST_CASE("prompt_cache: shared_store shares cells instead of copying") {
     REQUIRE(f.put(toy::text(8, 900)));  // no reserved id left: the LRU entry is evicted
     CHECK(f.pc.size() == 2);
     CHECK(f.pc.metrics().evictions == 1);
-    f.cache.seq_rm(0, -1, -1);
+    REQUIRE(f.cache.seq_rm(0, -1, -1));
     const prompt_tokens q = toy::text(8, 700);
     const auto s = f.pc.select(q);
     REQUIRE(s);
@@ -361,7 +362,7 @@ TEST_CASE("prompt_cache: state_store keeps io::save_seq bytes and loads them wit
     p.push_back(1);
     REQUIRE(f.put(p));
     CHECK(f.pc.bytes() > 34 * f.cache.bytes_per_token());
-    f.cache.seq_rm(0, -1, -1);
+    REQUIRE(f.cache.seq_rm(0, -1, -1));
     const auto s = f.pc.select(p);
     REQUIRE(s);
     auto got = f.pc.load(f.cache, 2, s->id);
@@ -400,7 +401,7 @@ TEST_CASE("copy_store: fragmented cells, f16 and transposed V round-trip bit-exa
     kvcache::copy_store<vt_cache> st;
     auto h = st.save(cache, 0);
     REQUIRE(h.ok());
-    cache.seq_rm(0, -1, -1);
+    REQUIRE(cache.seq_rm(0, -1, -1));
     toy::fill(cache, 3, b, 0, 7);  // the load lands in other (fragmented) cells
     REQUIRE(st.load(cache, 2, h.value()).ok());
     CHECK(rows_of(2) == before);

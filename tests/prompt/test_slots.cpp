@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "prompt/toy_model.hpp"
+#include "support/result_check.hpp"
 
 using kvcache::prompt_tokens;
 using kvcache::request_options;
@@ -30,7 +31,7 @@ prompt_tokens cat(const prompt_tokens& a, const prompt_tokens& b) {
 template <class Slots, class Cache>
 kvcache::prepared_request run(Slots& slots, Cache& cache, const prompt_tokens& req, request_options ro = {},
                               int n_gen = 1, bool context_free = false) {
-    auto p = slots.prepare(req, ro);
+    auto p = slots.prepare(req, ro).value();
     REQUIRE(p.n_past <= p.n_request);
     REQUIRE(p.metrics.from_slot + p.metrics.from_global + p.metrics.from_shift + p.metrics.computed == req.size());
     toy::fill(cache, p.seq, req, p.n_past, p.n_request, context_free);
@@ -116,15 +117,21 @@ TEST_CASE("slots F22: longest prefix above the threshold, else least recently us
     r = run(slots, cache, a, {.slot_id = 2});
     CHECK(r.slot == 2);
     // busy slots are skipped; explicit busy / bad ids and all-busy are errors
-    auto p0 = slots.prepare(a);
+    auto p0 = slots.prepare(a).value();
     CHECK(slots.busy(p0.slot));
     CHECK_THROWS_WITH_AS(slots.prepare(a, {.slot_id = p0.slot}), doctest::Contains("is busy"), kvcache::error);
     CHECK_THROWS_WITH_AS(slots.prepare(a, {.slot_id = 3}), doctest::Contains("slot = 3"), kvcache::error);
-    auto p1 = slots.prepare(a);
-    auto p2 = slots.prepare(a);
+    auto p1 = slots.prepare(a).value();
+    auto p2 = slots.prepare(a).value();
     CHECK(p1.slot != p0.slot);
     CHECK(p2.slot != p1.slot);
-    CHECK_THROWS_WITH_AS(slots.prepare(a), doctest::Contains("every one of the 3 slots is busy"), kvcache::error);
+    {  // every slot busy: an expected condition, a no_space result (the host waits), nothing changed
+        const auto used = cache.used();
+        const auto busy = slots.prepare(a);
+        CHECK(kvtest::refused_with(busy, kvcache::errc::no_space, "every one of the 3 slots is busy"));
+        CHECK(cache.used() == used);
+        CHECK(slots.busy(p0.slot));
+    }
     CHECK_THROWS_WITH_AS(slots.prepare(prompt_tokens{}), doctest::Contains("no tokens"), kvcache::error);
     // commit_prompt before the host computed everything is refused
     CHECK_THROWS_WITH_AS(slots.commit_prompt(p0.slot), doctest::Contains("the request needs 99"), kvcache::error);
@@ -190,17 +197,17 @@ TEST_CASE("slots F23: SWA checkpoints: restore the newest at or below n_past, el
     const prompt_tokens p = toy::text(40), q = cat(toy::text(30), toy::text(10, 7000));
     // first request: compute [0, 20), checkpoint, compute [20, 40); a ring buffer then
     // keeps only the last w positions (simulated with seq_rm)
-    auto r = slots.prepare(p);
+    auto r = slots.prepare(p).value();
     toy::fill(cache, r.seq, p, 0, 20);
-    slots.save_checkpoint(r.slot);
-    cache.seq_rm(r.seq, 0, 20 - w);
+    REQUIRE(slots.save_checkpoint(r.slot));
+    REQUIRE(cache.seq_rm(r.seq, 0, 20 - w));
     toy::fill(cache, r.seq, p, 20, 40);
-    cache.seq_rm(r.seq, 0, 40 - w);
+    REQUIRE(cache.seq_rm(r.seq, 0, 40 - w));
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
     CHECK(slots.n_checkpoints(0) == 1);
     // q shares 30 tokens, but positions below 32 are gone: continue from the checkpoint at 19
-    r = slots.prepare(q);
+    r = slots.prepare(q).value();
     CHECK(r.metrics.checkpoint_restored);
     CHECK(r.n_past == 20);
     CHECK(r.metrics.computed == 20);
@@ -211,8 +218,8 @@ TEST_CASE("slots F23: SWA checkpoints: restore the newest at or below n_past, el
     // no usable checkpoint (the one at 19 is above n_past = 10): recompute everything
     slots.clear_slot(0);
     run(slots, cache, p);
-    cache.seq_rm(0, 0, 40 - w);  // window moved on
-    r = slots.prepare(cat(toy::text(10), toy::text(5, 123)));
+    REQUIRE(cache.seq_rm(0, 0, 40 - w));  // window moved on
+    r = slots.prepare(cat(toy::text(10), toy::text(5, 123))).value();
     CHECK(!r.metrics.checkpoint_restored);
     CHECK(r.n_past == 0);
     slots.release(r.slot);
@@ -266,14 +273,14 @@ TEST_CASE("slots F23 on the ring layout: the window is really gone, the checkpoi
     ring_t cache(toy::shape(kvcache::ring<w>::cells_for(2, 64), 2));
     kvcache::slot_manager<ring_t> slots(cache, {.n_slots = 1, .n_swa = w});
     const prompt_tokens p = toy::text(40), q = cat(toy::text(30), toy::text(10, 7000));
-    auto r = slots.prepare(p);
+    auto r = slots.prepare(p).value();
     toy::fill(cache, r.seq, p, 0, 20);
-    slots.save_checkpoint(r.slot);  // the ring holds positions [12, 20)
+    REQUIRE(slots.save_checkpoint(r.slot));  // the ring holds positions [12, 20)
     toy::fill(cache, r.seq, p, 20, 40);
     CHECK(cache.seq_pos_min(r.seq) == 40 - static_cast<kvcache::pos_t>(w));  // pruned by the layout
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
-    r = slots.prepare(q);
+    r = slots.prepare(q).value();
     CHECK(r.metrics.checkpoint_restored);
     CHECK(r.n_past == 20);
     CHECK(toy::max_error(cache, r.seq, q, 20, false, 20 - w) == 0.0);
@@ -282,7 +289,7 @@ TEST_CASE("slots F23 on the ring layout: the window is really gone, the checkpoi
     slots.release(r.slot);
     // an exact repeat cannot re-enter at position 39 either (position 31 is gone): the
     // checkpoint at 19 is still the newest usable one
-    r = slots.prepare(q);
+    r = slots.prepare(q).value();
     CHECK(r.metrics.checkpoint_restored);
     CHECK(r.n_past == 20);
     slots.release(r.slot);

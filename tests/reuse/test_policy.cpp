@@ -92,7 +92,7 @@ struct fixed_layout : kvcache::contiguous<> {
 template <class Slots, class Cache>
 kvcache::prepared_request serve(Slots& slots, Cache& cache, const prompt_tokens& req,
                                 kvcache::request_options ro = {}) {
-    auto p = slots.prepare(req, ro);
+    auto p = slots.prepare(req, ro).value();
     toy::fill(cache, p.seq, req, p.n_past, p.n_request, true);
     slots.commit_prompt(p.slot);
     REQUIRE(toy::max_error(cache, p.seq, req, req.size(), true) < 1e-5);

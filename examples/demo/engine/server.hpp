@@ -50,7 +50,8 @@ public:
         response r;
         const auto t0 = clock::now();
         const kvcache::prompt_tokens request{std::span<const token_t>(prompt)};
-        const kvcache::prepared_request p = slots_.prepare(request, ro);
+        // serve() runs one request at a time, so a slot is idle: value() throws only if not
+        const kvcache::prepared_request p = slots_.prepare(request, ro).value();
         r.prepare_ms = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
         r.slot = p.slot;
         r.seq = p.seq;

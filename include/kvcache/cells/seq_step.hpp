@@ -7,6 +7,7 @@
 #include <cstdint>  // std::uint8_t, std::int64_t
 #include <string>   // describe
 
+#include "../error.hpp"
 #include "../model_shape.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -42,14 +43,16 @@ struct position_move {
     return out + ")";
 }
 
-/// Runs one step on sequence s of cache (its seq_rm, seq_add or seq_div).
+/// Runs one step on sequence s of cache (its seq_rm, seq_add or seq_div) and returns
+/// that call's result (an error result: the call refused, nothing changed).
 template <class Cache>
-void run_step(Cache& cache, seq_id_t s, const seq_step& st) {
+[[nodiscard]] result<void> run_step(Cache& cache, seq_id_t s, const seq_step& st) {
     switch (st.kind) {
-        case seq_step::op::rm: cache.seq_rm(s, st.p0, st.p1); break;
-        case seq_step::op::add: cache.seq_add(s, st.p0, st.p1, st.arg); break;
-        case seq_step::op::div: cache.seq_div(s, st.p0, st.p1, static_cast<int>(st.arg)); break;
+        case seq_step::op::rm: return cache.seq_rm(s, st.p0, st.p1);
+        case seq_step::op::add: return cache.seq_add(s, st.p0, st.p1, st.arg);
+        case seq_step::op::div: return cache.seq_div(s, st.p0, st.p1, static_cast<int>(st.arg));
     }
+    return {};
 }
 
 KVCACHE_END_NAMESPACE

@@ -41,31 +41,39 @@
 //   commit_hook       void on_commit(cell_table&) noexcept;
 //       Runs after every commit() that made staged placements permanent (ring: prunes
 //       the cells that left the window). May change the cell table; must not throw.
-//   seq_rm_check      void check_seq_rm(const cell_table&, seq_id_t s, std::int64_t lo, std::int64_t hi) const;
-//       Throws kvcache::error to refuse seq_rm(s, [lo, hi)) (s < 0: every sequence)
-//       before anything changes.
-//   seq_cp_check      void check_seq_cp(const cell_table&, seq_id_t src, seq_id_t dst, std::int64_t lo,
-//                                       std::int64_t hi) const;
-//       Throws to refuse seq_cp(src -> dst, [lo, hi)); has no side effects (memories made
-//       of several caches call it before any of them changes).
-//   seq_cp_hook       void before_seq_cp(const cell_table&, seq_id_t src, seq_id_t dst, std::int64_t lo,
-//                                        std::int64_t hi);
-//       Runs before seq_cp shares the cells (after the cache validated it); may throw to
-//       refuse, nothing changed, and may update the layout's own tables (ring: dst
-//       inherits src's pruning point). Without it, the cache calls check_seq_cp when
-//       seq_cp_check is declared.
-//   seq_shift_check   void check_seq_shift(const cell_table&, const char* fn, seq_id_t s, std::int64_t lo,
-//                                          std::int64_t hi, position_move f) const;
-//       Throws to refuse seq_add / seq_div (fn names which) of s over [lo, hi) moving
-//       position p to f(p) (cells/seq_step.hpp). A member template over F is fine.
-//   seq_steps_check   void check_seq_steps(const cell_table&, seq_id_t s, std::span<const seq_step> steps,
-//                                          const char* what) const;
-//       Throws to refuse a whole list of seq_rm / seq_add / seq_div calls on s before the
-//       first runs (ops::context_shift, ops::self_extend, reuse::apply_plan; `what` names
-//       the caller), for layouts whose rules depend on the steps before.
-//   split_targets     std::vector<std::uint32_t> split_targets(const cell_table&, seq_id_t s, std::uint32_t n);
+// Refusals: a hook that refuses an expected runtime condition (positions the layout
+// dropped, no free block) returns an error result (errc::unsupported, errc::no_space)
+// that the cache returns unchanged from the sequence operation, nothing changed; a hook
+// throws kvcache::error only for a programming error (invalid argument).
+//
+//   seq_rm_check      result<void> check_seq_rm(const cell_table&, seq_id_t s, std::int64_t lo,
+//                                               std::int64_t hi) const;
+//       An error result refuses seq_rm(s, [lo, hi)) (s < 0: every sequence) before
+//       anything changes.
+//   seq_cp_check      result<void> check_seq_cp(const cell_table&, seq_id_t src, seq_id_t dst, std::int64_t lo,
+//                                               std::int64_t hi) const;
+//       An error result refuses seq_cp(src -> dst, [lo, hi)); has no side effects
+//       (memories made of several caches call it before any of them changes).
+//   seq_cp_hook       result<void> before_seq_cp(const cell_table&, seq_id_t src, seq_id_t dst, std::int64_t lo,
+//                                                std::int64_t hi);
+//       Runs before seq_cp shares the cells (after the cache validated it); an error
+//       result refuses with nothing changed; on success it may update the layout's own
+//       tables (ring: dst inherits src's pruning point). Without it, the cache calls
+//       check_seq_cp when seq_cp_check is declared.
+//   seq_shift_check   result<void> check_seq_shift(const cell_table&, const char* fn, seq_id_t s, std::int64_t lo,
+//                                                  std::int64_t hi, position_move f) const;
+//       An error result refuses seq_add / seq_div (fn names which) of s over [lo, hi)
+//       moving position p to f(p) (cells/seq_step.hpp). A member template over F is fine.
+//   seq_steps_check   result<void> check_seq_steps(const cell_table&, seq_id_t s, std::span<const seq_step> steps,
+//                                                  const char* what) const;
+//       An error result refuses a whole list of seq_rm / seq_add / seq_div calls on s
+//       before the first runs (ops::context_shift, ops::self_extend, reuse::apply_plan;
+//       `what` names the caller), for layouts whose rules depend on the steps before.
+//   split_targets     result<std::vector<std::uint32_t>> split_targets(const cell_table&, seq_id_t s,
+//                                                                      std::uint32_t n);
 //       n free cells for the copies of shared cells that s splits off when it moves (the
-//       cache checked that n cells are free). Default: the lowest free cells.
+//       cache checked that n cells are free), or an error result (no_space: the layout
+//       has no room for them, e.g. no free block). Default: the lowest free cells.
 //   pruning           pos_t pruned_below(seq_id_t s) const;   void set_pruned_below(seq_id_t s, pos_t w);
 //       Positions of s below pruned_below(s) may be missing (dropped by the layout);
 //       state files save and restore these points.
@@ -131,12 +139,12 @@ enum class layout_caps : std::uint32_t {
     placement_plan = 1u << 1,    ///< plan_place(cells, pos, seqs) -> result<placement_plan>
     load_plan = 1u << 2,         ///< plan_load(cells, pos, seqs) -> result<load_plan>
     commit_hook = 1u << 3,       ///< on_commit(cells) noexcept
-    seq_rm_check = 1u << 4,      ///< check_seq_rm(cells, s, lo, hi) const
-    seq_cp_check = 1u << 5,      ///< check_seq_cp(cells, src, dst, lo, hi) const
-    seq_cp_hook = 1u << 6,       ///< before_seq_cp(cells, src, dst, lo, hi)
-    seq_shift_check = 1u << 7,   ///< check_seq_shift(cells, fn, s, lo, hi, position_move) const
-    seq_steps_check = 1u << 8,   ///< check_seq_steps(cells, s, steps, what) const
-    split_targets = 1u << 9,     ///< split_targets(cells, s, n) -> std::vector<std::uint32_t>
+    seq_rm_check = 1u << 4,      ///< check_seq_rm(cells, s, lo, hi) const -> result<void>
+    seq_cp_check = 1u << 5,      ///< check_seq_cp(cells, src, dst, lo, hi) const -> result<void>
+    seq_cp_hook = 1u << 6,       ///< before_seq_cp(cells, src, dst, lo, hi) -> result<void>
+    seq_shift_check = 1u << 7,   ///< check_seq_shift(cells, fn, s, lo, hi, position_move) const -> result<void>
+    seq_steps_check = 1u << 8,   ///< check_seq_steps(cells, s, steps, what) const -> result<void>
+    split_targets = 1u << 9,     ///< split_targets(cells, s, n) -> result<std::vector<std::uint32_t>>
     pruning = 1u << 10,          ///< pruned_below(s) const, set_pruned_below(s, w)
     sliding_window = 1u << 11,   ///< window() const
     held_cells = 1u << 12,       ///< held_cells(cells) const -> std::uint64_t
@@ -202,34 +210,34 @@ concept on_commit_hook = requires(S& s, cell_table& c) {
 
 template <class S>
 concept seq_rm_check_hook = requires(const S& s, const cell_table& c, seq_id_t q, std::int64_t x) {
-    s.check_seq_rm(c, q, x, x);
+    { s.check_seq_rm(c, q, x, x) } -> std::same_as<result<void>>;
 };
 
 template <class S>
 concept seq_cp_check_hook = requires(const S& s, const cell_table& c, seq_id_t q, std::int64_t x) {
-    s.check_seq_cp(c, q, q, x, x);
+    { s.check_seq_cp(c, q, q, x, x) } -> std::same_as<result<void>>;
 };
 
 template <class S>
 concept before_seq_cp_hook = requires(S& s, const cell_table& c, seq_id_t q, std::int64_t x) {
-    s.before_seq_cp(c, q, q, x, x);
+    { s.before_seq_cp(c, q, q, x, x) } -> std::same_as<result<void>>;
 };
 
 template <class S>
 concept seq_shift_check_hook =
     requires(const S& s, const cell_table& c, const char* fn, seq_id_t q, std::int64_t x, position_move f) {
-        s.check_seq_shift(c, fn, q, x, x, f);
+        { s.check_seq_shift(c, fn, q, x, x, f) } -> std::same_as<result<void>>;
     };
 
 template <class S>
 concept seq_steps_check_hook =
     requires(const S& s, const cell_table& c, seq_id_t q, std::span<const seq_step> st, const char* what) {
-        s.check_seq_steps(c, q, st, what);
+        { s.check_seq_steps(c, q, st, what) } -> std::same_as<result<void>>;
     };
 
 template <class S>
 concept split_targets_hook = requires(S& s, const cell_table& c, seq_id_t q, std::uint32_t n) {
-    { s.split_targets(c, q, n) } -> std::same_as<std::vector<std::uint32_t>>;
+    { s.split_targets(c, q, n) } -> std::same_as<result<std::vector<std::uint32_t>>>;
 };
 
 template <class S>
@@ -331,7 +339,7 @@ constexpr bool check_layout_capabilities() {
 
     static_assert(!has(layout_caps::seq_rm_check) || seq_rm_check_hook<S>,
                   "kvcache: layout capability 'seq_rm_check' is declared but the storage has no "
-                  "`void check_seq_rm(const cell_table&, seq_id_t, std::int64_t, std::int64_t) const` "
+                  "`result<void> check_seq_rm(const cell_table&, seq_id_t, std::int64_t, std::int64_t) const` "
                   "(see kvcache/layout/capabilities.hpp)");
     static_assert(has(layout_caps::seq_rm_check) || !names_check_seq_rm<S>,
                   "kvcache: the layout storage defines check_seq_rm() but does not declare layout capability "
@@ -339,7 +347,7 @@ constexpr bool check_layout_capabilities() {
 
     static_assert(!has(layout_caps::seq_cp_check) || seq_cp_check_hook<S>,
                   "kvcache: layout capability 'seq_cp_check' is declared but the storage has no "
-                  "`void check_seq_cp(const cell_table&, seq_id_t, seq_id_t, std::int64_t, std::int64_t) const` "
+                  "`result<void> check_seq_cp(const cell_table&, seq_id_t, seq_id_t, std::int64_t, std::int64_t) const` "
                   "(see kvcache/layout/capabilities.hpp)");
     static_assert(has(layout_caps::seq_cp_check) || !names_check_seq_cp<S>,
                   "kvcache: the layout storage defines check_seq_cp() but does not declare layout capability "
@@ -347,7 +355,7 @@ constexpr bool check_layout_capabilities() {
 
     static_assert(!has(layout_caps::seq_cp_hook) || before_seq_cp_hook<S>,
                   "kvcache: layout capability 'seq_cp_hook' is declared but the storage has no "
-                  "`void before_seq_cp(const cell_table&, seq_id_t, seq_id_t, std::int64_t, std::int64_t)` "
+                  "`result<void> before_seq_cp(const cell_table&, seq_id_t, seq_id_t, std::int64_t, std::int64_t)` "
                   "(see kvcache/layout/capabilities.hpp)");
     static_assert(has(layout_caps::seq_cp_hook) || !names_before_seq_cp<S>,
                   "kvcache: the layout storage defines before_seq_cp() but does not declare layout capability "
@@ -355,7 +363,7 @@ constexpr bool check_layout_capabilities() {
 
     static_assert(!has(layout_caps::seq_shift_check) || seq_shift_check_hook<S>,
                   "kvcache: layout capability 'seq_shift_check' is declared but the storage has no "
-                  "`void check_seq_shift(const cell_table&, const char*, seq_id_t, std::int64_t, std::int64_t, "
+                  "`result<void> check_seq_shift(const cell_table&, const char*, seq_id_t, std::int64_t, std::int64_t, "
                   "position_move) const` (see kvcache/layout/capabilities.hpp)");
     static_assert(has(layout_caps::seq_shift_check) || !names_check_seq_shift<S>,
                   "kvcache: the layout storage defines check_seq_shift() but does not declare layout capability "
@@ -363,7 +371,7 @@ constexpr bool check_layout_capabilities() {
 
     static_assert(!has(layout_caps::seq_steps_check) || seq_steps_check_hook<S>,
                   "kvcache: layout capability 'seq_steps_check' is declared but the storage has no "
-                  "`void check_seq_steps(const cell_table&, seq_id_t, std::span<const seq_step>, const char*) "
+                  "`result<void> check_seq_steps(const cell_table&, seq_id_t, std::span<const seq_step>, const char*) "
                   "const` (see kvcache/layout/capabilities.hpp)");
     static_assert(has(layout_caps::seq_steps_check) || !names_check_seq_steps<S>,
                   "kvcache: the layout storage defines check_seq_steps() but does not declare layout capability "
@@ -371,7 +379,7 @@ constexpr bool check_layout_capabilities() {
 
     static_assert(!has(layout_caps::split_targets) || split_targets_hook<S>,
                   "kvcache: layout capability 'split_targets' is declared but the storage has no "
-                  "`std::vector<std::uint32_t> split_targets(const cell_table&, seq_id_t, std::uint32_t)` "
+                  "`result<std::vector<std::uint32_t>> split_targets(const cell_table&, seq_id_t, std::uint32_t)` "
                   "(see kvcache/layout/capabilities.hpp)");
     static_assert(has(layout_caps::split_targets) || !names_split_targets<S>,
                   "kvcache: the layout storage defines split_targets() but does not declare layout capability "

@@ -365,14 +365,16 @@ struct paged {
                                                               " tokens " + why);
             return plan;
         }
-        [[nodiscard]] std::vector<std::uint32_t> split_targets(const cell_table& cells, seq_id_t s,
-                                                               std::uint32_t n) {
+        /// Cells in blocks of s's own for n split copies, or a no_space result (no free block).
+        [[nodiscard]] result<std::vector<std::uint32_t>> split_targets(const cell_table& cells, seq_id_t s,
+                                                                       std::uint32_t n) {
             placement_plan plan;
             std::string why;
             const std::vector<seq_set> sets(n, seq_set::of(s));
             if (!tables_->plan(cells, sets, false, plan, why))
-                detail::fail(errc::no_space, "splitting " + std::to_string(n) + " shared cells of sequence " +
-                                                 std::to_string(s) + " into blocks of its own " + why);
+                return detail::make_error(errc::no_space, "splitting " + std::to_string(n) +
+                                                              " shared cells of sequence " + std::to_string(s) +
+                                                              " into blocks of its own " + why);
             return std::move(plan.cells);
         }
 

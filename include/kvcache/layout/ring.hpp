@@ -34,7 +34,8 @@
 // (plan_load).
 //
 // Moving positions (seq_add / seq_div) and removing or copying ranges of a sequence
-// that pruned are refused where the result could differ from a cache that never pruned:
+// that pruned are refused (an errc::unsupported result, nothing changed) where the result
+// could differ from a cache that never pruned:
 // the rules are in ring_rules.hpp; the bookkeeping (per-sequence cells, regions, pruning
 // points) is in ring_tables.hpp. The hooks are declared capabilities of the storage
 // (layout/capabilities.hpp).
@@ -226,67 +227,71 @@ struct ring {
                     if (!cells.is_free(c) && !cells.seqs(c).test(static_cast<seq_id_t>(r))) rehome(cells, c);
         }
 
-        /// Refuses (errc::unsupported) a seq_rm that needs positions the window already dropped.
-        void check_seq_rm(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) const {
-            if (lo >= hi) return;
-            if (s >= 0) {
-                check_rm_one(cells, s, lo, hi);
-                return;
-            }
-            for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t) check_rm_one(cells, t, lo, hi);
+        /// Refuses (an errc::unsupported result) a seq_rm that needs positions the window already dropped.
+        [[nodiscard]] result<void> check_seq_rm(const cell_table& cells, seq_id_t s, std::int64_t lo,
+                                                std::int64_t hi) const {
+            if (lo >= hi) return {};
+            if (s >= 0) return check_rm_one(cells, s, lo, hi);
+            for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t)
+                if (result<void> r = check_rm_one(cells, t, lo, hi); !r) return r;
+            return {};
         }
 
-        /// Refuses (errc::unsupported) a seq_cp whose range [lo, hi) reaches below src's pruning
-        /// point w when dst would get none of src's cells or a next window reaching below w.
-        void check_seq_cp(const cell_table& cells, seq_id_t src, seq_id_t dst, std::int64_t lo, std::int64_t hi) const {
+        /// Refuses (an errc::unsupported result) a seq_cp whose range [lo, hi) reaches below src's
+        /// pruning point w when dst would get none of src's cells or a next window reaching below w.
+        [[nodiscard]] result<void> check_seq_cp(const cell_table& cells, seq_id_t src, seq_id_t dst, std::int64_t lo,
+                                                std::int64_t hi) const {
             const pos_t w = tables_->pruned_below(src);
-            if (w == 0 || lo >= w || lo >= hi) return;  // every position of the range is here
+            if (w == 0 || lo >= w || lo >= hi) return {};  // every position of the range is here
             const pos_t top = rules::max_in(cells, src, lo, hi);
             const std::string head = "seq_cp: the range [" + std::to_string(lo) + ", " + rules::range_end(hi) +
                                      ") of sequence " + std::to_string(src) + " reaches below its pruning point " +
                                      std::to_string(w) + " (ring<" + std::to_string(Window) +
                                      "> dropped those positions); ";
             if (top < 0)
-                detail::fail(errc::unsupported,
-                             head + "the copy would give sequence " + std::to_string(dst) + " none of them");
+                return detail::make_error(errc::unsupported,
+                                          head + "the copy would give sequence " + std::to_string(dst) + " none of them");
             const pos_t m = std::max(cells.seq_pos_max(dst), top);
             if (std::int64_t{m} + 2 - Window < w)
-                detail::fail(errc::unsupported, head + "sequence " + std::to_string(dst) + " would end at " +
-                                                    std::to_string(m) + " and its next token's window would need them");
+                return detail::make_error(errc::unsupported, head + "sequence " + std::to_string(dst) +
+                                                                 " would end at " + std::to_string(m) +
+                                                                 " and its next token's window would need them");
+            return {};
         }
-        /// check_seq_cp, then dst inherits src's pruning point when the range reaches below it.
-        void before_seq_cp(const cell_table& cells, seq_id_t src, seq_id_t dst, std::int64_t lo, std::int64_t hi) {
-            check_seq_cp(cells, src, dst, lo, hi);
+        /// check_seq_cp, then (allowed) dst inherits src's pruning point when the range reaches below it.
+        [[nodiscard]] result<void> before_seq_cp(const cell_table& cells, seq_id_t src, seq_id_t dst, std::int64_t lo,
+                                                 std::int64_t hi) {
+            if (result<void> r = check_seq_cp(cells, src, dst, lo, hi); !r) return r;
             tables_->settle();
             const pos_t w = tables_->pruned_below(src);
             if (w != 0 && lo < w && lo < hi) tables_->raise_pruned_below(dst, w);
+            return {};
         }
 
-        /// Refuses (errc::unsupported) a seq_add / seq_div (new position = f(old)) of sequence s
-        /// (every sequence if s < 0) over [lo, hi) that could differ from a cache that never
-        /// pruned: rules (a) and (b) of the file comment.
+        /// Refuses (an errc::unsupported result) a seq_add / seq_div (new position = f(old)) of
+        /// sequence s (every sequence if s < 0) over [lo, hi) that could differ from a cache that
+        /// never pruned: rules (a) and (b) of the file comment.
         template <class F>
-        void check_seq_shift(const cell_table& cells, const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi,
-                             F f) const {
-            if (lo >= hi) return;
-            if (s >= 0) {
-                check_shift_one(cells, fn, s, lo, hi, f);
-                return;
-            }
-            for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t) check_shift_one(cells, fn, t, lo, hi, f);
+        [[nodiscard]] result<void> check_seq_shift(const cell_table& cells, const char* fn, seq_id_t s, std::int64_t lo,
+                                                   std::int64_t hi, F f) const {
+            if (lo >= hi) return {};
+            if (s >= 0) return check_shift_one(cells, fn, s, lo, hi, f);
+            for (seq_id_t t = 0; t < static_cast<seq_id_t>(n_seq_); ++t)
+                if (result<void> r = check_shift_one(cells, fn, t, lo, hi, f); !r) return r;
+            return {};
         }
 
-        /// Refuses (errc::unsupported) a list of seq_rm / seq_add / seq_div calls on sequence s
+        /// Refuses (an errc::unsupported result) a list of seq_rm / seq_add / seq_div calls on sequence s
         /// (ops::context_shift, reuse::apply_plan, ops::self_extend) that this layout would
         /// refuse part-way: each step is checked by the rules of its own call against the
         /// positions that the steps before it leave (simulated on a copy of s's positions),
         /// before any step runs. `what`
         /// names the caller in the message. Throws invalid_argument for a step the cache itself
         /// would refuse (divisor <= 0, reversed range, position past 2^31-1).
-        void check_seq_steps(const cell_table& cells, seq_id_t s, std::span<const seq_step> steps,
-                             const char* what) const {
+        [[nodiscard]] result<void> check_seq_steps(const cell_table& cells, seq_id_t s,
+                                                   std::span<const seq_step> steps, const char* what) const {
             const pos_t w = tables_->pruned_below(checked_seq(s));
-            if (w == 0) return;  // nothing pruned: every step is allowed
+            if (w == 0) return {};  // nothing pruned: every step is allowed
             typename rules::pos_map m = cells.seq_positions(s);
             for (std::size_t i = 0; i < steps.size() && !m.empty(); ++i) {  // emptied: nothing pruned any more
                 const seq_step& st = steps[i];
@@ -305,18 +310,21 @@ struct ring {
                                         [a, add](pos_t p) { return add ? std::int64_t{p} + a : std::int64_t{p} / a; });
                 }
                 if (!why.empty())
-                    detail::fail(errc::unsupported, std::string(what) + ": step " + std::to_string(i + 1) + " of " +
-                                                        std::to_string(steps.size()) + " (" + rules::list_steps(steps, s) +
-                                                        ") would be refused after the steps before it, so none was "
-                                                        "run: " + why);
+                    return detail::make_error(errc::unsupported,
+                                              std::string(what) + ": step " + std::to_string(i + 1) + " of " +
+                                                  std::to_string(steps.size()) + " (" + rules::list_steps(steps, s) +
+                                                  ") would be refused after the steps before it, so none was run: " +
+                                                  why);
                 rules::simulate(m, st, s, lo, hi, what);
             }
+            return {};
         }
 
         /// n free cells for the copies of shared cells that sequence s splits off when it
         /// moves: its own region first, then any free cell (placement moves them home later).
         /// The cache checked that n cells are free.
-        [[nodiscard]] std::vector<std::uint32_t> split_targets(const cell_table& cells, seq_id_t s, std::uint32_t n) {
+        [[nodiscard]] result<std::vector<std::uint32_t>> split_targets(const cell_table& cells, seq_id_t s,
+                                                                       std::uint32_t n) {
             tables_->settle();
             std::vector<std::uint32_t> out;
             out.reserve(n);
@@ -393,20 +401,22 @@ struct ring {
                              "ring: seq_id = " + std::to_string(s) + ", must be in [0, " + std::to_string(n_seq_) + ")");
             return s;
         }
-        void check_rm_one(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) const {
+        result<void> check_rm_one(const cell_table& cells, seq_id_t s, std::int64_t lo, std::int64_t hi) const {
             const pos_t w = tables_->pruned_below(s);
-            if (w == 0) return;
+            if (w == 0) return {};
             if (std::string why = rules::rm_refusal(cells.seq_positions(s), w, s, lo, hi); !why.empty())
-                detail::fail(errc::unsupported, why);
+                return detail::make_error(errc::unsupported, std::move(why));
+            return {};
         }
 
         template <class F>
-        void check_shift_one(const cell_table& cells, const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi,
-                             F f) const {
+        result<void> check_shift_one(const cell_table& cells, const char* fn, seq_id_t s, std::int64_t lo,
+                                     std::int64_t hi, F f) const {
             const pos_t w = tables_->pruned_below(s);
-            if (w == 0) return;
+            if (w == 0) return {};
             if (std::string why = rules::shift_refusal(cells.seq_positions(s), w, fn, s, lo, hi, f); !why.empty())
-                detail::fail(errc::unsupported, why);
+                return detail::make_error(errc::unsupported, std::move(why));
+            return {};
         }
 
         std::uint32_t region_;  // cells per sequence region: n_cells / n_seq_max >= Window + 1

@@ -14,7 +14,10 @@
 // seq_div also the free cells it needs to split shared cells) without changing it,
 // then run on the full cache (which may still refuse: a position dst already holds,
 // no free cell for a split, positions past 2^31-1), and finally on the ring, which
-// then cannot refuse: a refusal leaves both caches unchanged.
+// then cannot refuse: a refusal leaves both caches unchanged. As on kv_cache, the
+// sequence operations return result<void>: no room (no_space) and positions the ring
+// pruned (unsupported) are error results; invalid arguments and calls while
+// placements are staged throw.
 //
 // seq_add / seq_div record a pending K-shift in both caches: ops::apply_k_shift(iswa)
 // rotates the cached K of every layer of both. iswa_cache is a kvcache::composite_memory:
@@ -180,17 +183,25 @@ public:
         return full_.restore();
     }
 
-    void seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
-        swa_.seq_rm(s, p0, p1);  // may refuse (positions pruned by the window); the full cache then cannot
-        full_.seq_rm(s, p0, p1);
+    /// seq_rm on both caches or neither. Error result: unsupported (positions the ring pruned).
+    [[nodiscard]] result<void> seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
+        // The ring may refuse (positions pruned by the window) or throw (arguments): nothing changed.
+        if (result<void> r = swa_.seq_rm(s, p0, p1); !r) return r;
+        return full_.seq_rm(s, p0, p1);
     }
-    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
-        if (valid_seq(src) && valid_seq(dst) && src != dst)
+    /// seq_cp on both caches or neither. Error result: unsupported (positions the ring pruned).
+    [[nodiscard]] result<void> seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+        if (valid_seq(src) && valid_seq(dst) && src != dst && !full_.in_transaction())
             if (const auto r = normalized(p0, p1); r.first <= r.second)
                 if constexpr (has_capability<swa_storage, layout_caps::seq_cp_check>)
-                    swa_.storage().check_seq_cp(swa_.cells(), src, dst, r.first, r.second);  // pruned positions
-        full_.seq_cp(src, dst, p0, p1);  // may refuse (dst holds a position): the ring holds a subset
-        swa_.seq_cp(src, dst, p0, p1);
+                    if (result<void> ok = swa_.storage().check_seq_cp(swa_.cells(), src, dst, r.first, r.second);
+                        !ok)
+                        return ok;  // pruned positions
+        // The full cache may still refuse (dst holds a position: throws; its layout): the ring holds a subset.
+        if (result<void> r = full_.seq_cp(src, dst, p0, p1); !r) return r;
+        result<void> w = swa_.seq_cp(src, dst, p0, p1);
+        KVCACHE_ASSERT(w.ok());
+        return w;
     }
     void seq_keep(seq_id_t s) {
         full_.seq_keep(s);
@@ -198,16 +209,28 @@ public:
     }
     /// Adds delta to the positions of s (every sequence if s < 0) in [p0, p1) in both caches,
     /// or in neither (see the file comment; the ring's rules are in ring.hpp).
-    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
-        if (delta != 0) check_ring_move("seq_add", s, p0, p1, position_move{position_move::op::add, delta});
-        full_.seq_add(s, p0, p1, delta);
-        swa_.seq_add(s, p0, p1, delta);
+    /// Error results: no_space (no free cell to split a shared cell in either cache),
+    /// unsupported (positions the ring pruned).
+    [[nodiscard]] result<void> seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
+        if (delta != 0)
+            if (result<void> r = check_ring_move("seq_add", s, p0, p1, position_move{position_move::op::add, delta});
+                !r)
+                return r;
+        if (result<void> r = full_.seq_add(s, p0, p1, delta); !r) return r;
+        result<void> w = swa_.seq_add(s, p0, p1, delta);
+        KVCACHE_ASSERT(w.ok());
+        return w;
     }
-    /// Integer-divides the positions of s in [p0, p1) by d > 0 in both caches, or in neither.
-    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
-        if (d > 1) check_ring_move("seq_div", s, p0, p1, position_move{position_move::op::div, d});
-        full_.seq_div(s, p0, p1, d);
-        swa_.seq_div(s, p0, p1, d);
+    /// Integer-divides the positions of s in [p0, p1) by d > 0 in both caches, or in neither
+    /// (error results as seq_add).
+    [[nodiscard]] result<void> seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
+        if (d > 1)
+            if (result<void> r = check_ring_move("seq_div", s, p0, p1, position_move{position_move::op::div, d}); !r)
+                return r;
+        if (result<void> r = full_.seq_div(s, p0, p1, d); !r) return r;
+        result<void> w = swa_.seq_div(s, p0, p1, d);
+        KVCACHE_ASSERT(w.ok());
+        return w;
     }
     /// Whether either cache has a pending K-shift.
     [[nodiscard]] bool has_shift() const noexcept { return full_.has_shift() || swa_.has_shift(); }
@@ -227,13 +250,14 @@ private:
     /// What the ring would refuse in a seq_add / seq_div (new position = f(old)), checked
     /// before either cache changes. Invalid arguments are left to the full cache, which
     /// refuses them first with the usual message.
-    void check_ring_move(const char* fn, seq_id_t s, pos_t p0, pos_t p1, position_move f) const {
-        if (full_.in_transaction() || !(s < 0 || valid_seq(s))) return;
+    result<void> check_ring_move(const char* fn, seq_id_t s, pos_t p0, pos_t p1, position_move f) const {
+        if (full_.in_transaction() || !(s < 0 || valid_seq(s))) return {};
         const auto [lo, hi] = normalized(p0, p1);
-        if (lo > hi) return;
+        if (lo > hi) return {};
+        if constexpr (!can_shift) return {};  // the full cache throws unsupported first
         if constexpr (has_capability<swa_storage, layout_caps::seq_shift_check>)
-            swa_.storage().check_seq_shift(swa_.cells(), fn, s, lo, hi, f);
-        if (s < 0) return;  // every sequence moves together: nothing is split
+            if (result<void> r = swa_.storage().check_seq_shift(swa_.cells(), fn, s, lo, hi, f); !r) return r;
+        if (s < 0) return {};  // every sequence moves together: nothing is split
         const cell_table& cells = swa_.cells();
         std::uint32_t splits = 0;
         for (std::uint32_t c : cells.used_cells()) {
@@ -242,10 +266,11 @@ private:
             splits += f(p) != p && f(p) >= 0;
         }
         if (splits > cells.free_count())
-            detail::fail(errc::no_space, std::string(fn) + ": moving sequence " + std::to_string(s) +
-                                             " needs " + std::to_string(splits) + " free cells in the sliding-window "
-                                             "cache to split shared cells, " + std::to_string(cells.free_count()) +
-                                             " free");
+            return detail::make_error(errc::no_space, std::string(fn) + ": moving sequence " + std::to_string(s) +
+                                                          " needs " + std::to_string(splits) +
+                                                          " free cells in the sliding-window cache to split shared "
+                                                          "cells, " + std::to_string(cells.free_count()) + " free");
+        return {};
     }
     void write(const char* fn, std::uint32_t l, const iswa_placement& p, const float* rows, bool is_v) {
         const auto [sw, local] = map_.at(check_layer(fn, l));
@@ -297,10 +322,10 @@ namespace reuse {
 /// reuse::apply_plan on an ISWA cache (F19, F20): everything apply_plan checks on one
 /// cache (free cells to split shared cells, the ring's check_seq_steps over every call)
 /// is checked on both parts before either changes, then the calls run on the ISWA cache,
-/// whose sequence operations change both parts. Throws as apply_plan; the cache is
-/// unchanged when it throws.
+/// whose sequence operations change both parts. Returns and throws as apply_plan; the
+/// cache is unchanged when it refuses or throws.
 template <std::uint32_t Window, class... Policies>
-void apply_plan(iswa_cache<Window, Policies...>& cache, seq_id_t seq, const plan& p) {
+[[nodiscard]] result<void> apply_plan(iswa_cache<Window, Policies...>& cache, seq_id_t seq, const plan& p) {
     using std::to_string;
     if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.n_seq_max())
         detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
@@ -321,17 +346,24 @@ void apply_plan(iswa_cache<Window, Policies...>& cache, seq_id_t seq, const plan
     if (!p.moves.empty()) {
         if constexpr (!iswa_cache<Window, Policies...>::can_shift)
             detail::fail(errc::unsupported, "apply_plan: the plan moves chunks but the ISWA cache cannot move positions");
+        result<void> room;
         cache.for_each_part([&](const auto& part) {
             const std::uint32_t need = cells_needed(part, seq, p);
-            if (need > part.capacity() - part.used())
-                detail::fail(errc::no_space, "apply_plan: moving chunks needs " + to_string(need) +
-                                                 " free cells to split shared cells, " +
-                                                 to_string(part.capacity() - part.used()) + " free");
+            if (room && need > part.capacity() - part.used())
+                room = detail::make_error(errc::no_space, "apply_plan: moving chunks needs " + to_string(need) +
+                                                              " free cells to split shared cells, " +
+                                                              to_string(part.capacity() - part.used()) + " free");
         });
+        if (!room) return room;
     }
     // The ring's rules (pruned positions) for every call, moves or truncation alone.
-    cache.swa().storage().check_seq_steps(cache.swa().cells(), seq, std::span<const seq_step>(steps), "apply_plan");
-    for (const seq_step& st : steps) run_step(cache, seq, st);
+    if (result<void> r = cache.swa().storage().check_seq_steps(cache.swa().cells(), seq,
+                                                               std::span<const seq_step>(steps), "apply_plan");
+        !r)
+        return r;
+    for (const seq_step& st : steps)
+        if (result<void> r = run_step(cache, seq, st); !r) return r;  // checked above: not reached
+    return {};
 }
 }  // namespace reuse
 

@@ -282,15 +282,21 @@ public:
     // Ranges are [p0, p1); p0 < 0 means 0, p1 < 0 means "to the end".
     // seq_id < 0 means every sequence where documented.
     // Every call validates all arguments first; on error the cache is unchanged.
-    // Sequence ops are refused (errc::transaction_open) while placements are staged.
+    // Programming errors throw kvcache::error: invalid arguments (invalid_argument), a
+    // call while placements are staged (transaction_open), a move of positions on a
+    // layout that can never move them (unsupported, can_shift == false).
+    // Expected runtime refusals come back as an error result<void>, nothing changed:
+    // no free cell / block to split a shared cell (no_space), positions the layout
+    // already dropped (unsupported: the ring's pruned positions).
 
     /// Removes sequence s (or every sequence if s < 0) from cells with position in [p0, p1).
-    void seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
+    /// Error result: unsupported when the layout refuses (ring: pruned positions).
+    [[nodiscard]] result<void> seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
         check_no_tx("seq_rm");
         check_seq("seq_rm", "seq_id", s, true);
         const auto [lo, hi] = range("seq_rm", p0, p1);
         if constexpr (has_capability<storage_t, layout_caps::seq_rm_check>)
-            storage_.check_seq_rm(cells_, s, lo, hi);  // layout capability: may refuse
+            if (result<void> r = storage_.check_seq_rm(cells_, s, lo, hi); !r) return r;  // layout capability
         std::vector<std::uint32_t> hit;
         for (std::uint32_t c : cells_.used_cells())
             if (in_range(c, lo, hi) && (s < 0 || cells_.seqs(c).test(s))) hit.push_back(c);
@@ -300,16 +306,18 @@ public:
             else
                 cells_.rm_seq(c, s);
         }
+        return {};
     }
 
     /// Adds sequence dst to every cell of src with position in [p0, p1), sharing the
-    /// cells (no data copy). Refused if dst already holds one of those positions.
-    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    /// cells (no data copy). Throws invalid_argument if dst already holds one of those
+    /// positions. Error result: unsupported when the layout refuses (ring: pruned positions).
+    [[nodiscard]] result<void> seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         check_no_tx("seq_cp");
         check_seq("seq_cp", "src", src, false);
         check_seq("seq_cp", "dst", dst, false);
         const auto [lo, hi] = range("seq_cp", p0, p1);
-        if (src == dst) return;
+        if (src == dst) return {};
         std::vector<std::uint32_t> hit;
         for (std::uint32_t c : cells_.used_cells()) {
             if (!in_range(c, lo, hi) || !cells_.seqs(c).test(src) || cells_.seqs(c).test(dst)) continue;
@@ -319,11 +327,13 @@ public:
                                  std::to_string(cells_.pos(c)) + "; seq_rm it first");
             hit.push_back(c);
         }
-        if constexpr (has_capability<storage_t, layout_caps::seq_cp_hook>)
-            storage_.before_seq_cp(cells_, src, dst, lo, hi);  // layout capability: may refuse
-        else if constexpr (has_capability<storage_t, layout_caps::seq_cp_check>)
-            storage_.check_seq_cp(cells_, src, dst, lo, hi);
+        if constexpr (has_capability<storage_t, layout_caps::seq_cp_hook>) {
+            if (result<void> r = storage_.before_seq_cp(cells_, src, dst, lo, hi); !r) return r;  // may refuse
+        } else if constexpr (has_capability<storage_t, layout_caps::seq_cp_check>) {
+            if (result<void> r = storage_.check_seq_cp(cells_, src, dst, lo, hi); !r) return r;
+        }
         for (std::uint32_t c : hit) cells_.add_seq(c, dst);
+        return {};
     }
 
     /// Removes every sequence other than s; cells not used by s become free.
@@ -346,26 +356,28 @@ public:
     /// Cells moved below position 0 are removed. The K-shift delta accumulates per cell.
     /// A cell shared with another sequence is split first (the moving sequence gets its own
     /// copy of the K/V), so other sequences never see the move; needs one free cell per split
-    /// (errc::no_space otherwise, nothing changed).
-    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
+    /// (an errc::no_space result otherwise, nothing changed). Error result unsupported when
+    /// the layout refuses (ring: pruned positions). Throws unsupported when the layout can
+    /// never move positions (can_shift == false), invalid_argument past position 2^31-1.
+    [[nodiscard]] result<void> seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
         check_no_tx("seq_add");
         check_seq("seq_add", "seq_id", s, true);
         const auto [lo, hi] = range("seq_add", p0, p1);
         require_shift("seq_add");
-        if (delta == 0) return;
-        move_positions("seq_add", s, lo, hi, position_move{position_move::op::add, delta});
+        if (delta == 0) return {};
+        return move_positions("seq_add", s, lo, hi, position_move{position_move::op::add, delta});
     }
 
     /// Integer-divides the positions of sequence s (every sequence if s < 0) in [p0, p1)
-    /// by d > 0 (Self-Extend). Shared cells are split as in seq_add.
-    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
+    /// by d > 0 (Self-Extend). Shared cells are split and refusals reported as in seq_add.
+    [[nodiscard]] result<void> seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
         check_no_tx("seq_div");
         check_seq("seq_div", "seq_id", s, true);
         const auto [lo, hi] = range("seq_div", p0, p1);
         if (d <= 0) detail::fail(errc::invalid_argument, "seq_div: d = " + std::to_string(d) + ", must be > 0");
         require_shift("seq_div");
-        if (d == 1) return;
-        move_positions("seq_div", s, lo, hi, position_move{position_move::op::div, d});
+        if (d == 1) return {};
+        return move_positions("seq_div", s, lo, hi, position_move{position_move::op::div, d});
     }
 
     /// Frees every cell and drops any staged placement.
@@ -500,9 +512,7 @@ private:
     }
 
     /// Shared implementation of seq_add / seq_div: new position = f(old) as int64.
-    void move_positions(const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi, position_move f) {
-        if constexpr (has_capability<storage_t, layout_caps::seq_shift_check>)
-            storage_.check_seq_shift(cells_, fn, s, lo, hi, f);  // layout capability (ring: pruned positions)
+    result<void> move_positions(const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi, position_move f) {
         std::vector<std::uint32_t> hit;
         std::uint32_t splits = 0;
         for (std::uint32_t c : cells_.used_cells()) {
@@ -516,16 +526,22 @@ private:
             hit.push_back(c);
             if (s >= 0 && np >= 0 && cells_.seqs(c).count() > 1) ++splits;
         }
+        if constexpr (has_capability<storage_t, layout_caps::seq_shift_check>)
+            if (result<void> r = storage_.check_seq_shift(cells_, fn, s, lo, hi, f); !r)
+                return r;  // layout capability (ring: pruned positions)
         if (splits > cells_.free_count())
-            detail::fail(errc::no_space, std::string(fn) + ": moving sequence " + std::to_string(s) + " needs " +
-                                             std::to_string(splits) + " free cells to split shared cells, " +
-                                             std::to_string(cells_.free_count()) + " free");
+            return detail::make_error(errc::no_space, std::string(fn) + ": moving sequence " + std::to_string(s) +
+                                                          " needs " + std::to_string(splits) +
+                                                          " free cells to split shared cells, " +
+                                                          std::to_string(cells_.free_count()) + " free");
         // Split targets: the lowest free cells before the operation, in order of the cells split.
         std::vector<std::uint32_t> targets;
         targets.reserve(splits);
-        if constexpr (has_capability<storage_t, layout_caps::split_targets>)
-            targets = storage_.split_targets(cells_, s, splits);  // layout capability; paged throws no_space
-        else
+        if constexpr (has_capability<storage_t, layout_caps::split_targets>) {
+            result<std::vector<std::uint32_t>> t = storage_.split_targets(cells_, s, splits);  // paged: no_space
+            if (!t) return detail::make_error(t.code(), std::string(fn) + ": " + t.message());
+            targets = std::move(t).value();
+        } else
             for (std::uint32_t c = 0; targets.size() < splits; ++c)
                 if (cells_.is_free(c)) targets.push_back(c);
         std::size_t next_target = 0;
@@ -548,6 +564,7 @@ private:
             }
             cells_.move_pos(target, static_cast<pos_t>(np));
         }
+        return {};
     }
 
     model_shape shape_;

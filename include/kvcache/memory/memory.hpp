@@ -11,8 +11,16 @@
 //        m.place(span<const pos_t>, span<const seq_id_t>) -> result<placement_type>
 //        m.commit() -> tx_result        m.restore() -> tx_result      cm.in_transaction() -> bool
 //   3. sequence operations (F5), each complete or refused with nothing changed:
-//        m.seq_rm(s, p0, p1)   m.seq_cp(s, s, p0, p1)   m.seq_keep(s)
-//        m.seq_add(s, p0, p1, d)   m.seq_div(s, p0, p1, int)   m.clear()
+//        m.seq_rm(s, p0, p1)   m.seq_cp(s, s, p0, p1)   m.seq_add(s, p0, p1, d)
+//        m.seq_div(s, p0, p1, int)      (the library's memories return [[nodiscard]] result<void>)
+//        m.seq_keep(s)   m.clear()      (cannot be refused: void)
+//      The concept only requires the calls to be valid. The error rule of every memory:
+//      an expected runtime refusal (no free cell or block to split a shared cell:
+//      no_space; positions the layout already dropped, e.g. a ring's pruned positions:
+//      unsupported) is an error result<void>; a programming error (invalid argument,
+//      a call while placements are staged: transaction_open, moving positions on a
+//      memory with can_shift == false: unsupported) throws kvcache::error. Generic
+//      callers that accept any memory should check the result when there is one.
 //   4. positions: cm.seq_pos_min(s) -> pos_t, cm.seq_pos_max(s) -> pos_t (-1: empty);
 //        cm.n_seq_max() -> std::uint32_t, cm.n_layer() -> std::uint32_t
 //   5. shifting (F6): static constexpr bool can_shift; cm.has_shift() -> bool (a K-shift

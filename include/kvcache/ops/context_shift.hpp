@@ -55,19 +55,23 @@ namespace detail_ctx {
 /// What a context shift would refuse in one K/V cache (free cells for splits, the
 /// layout hook check_seq_steps), checked before anything changes.
 template <class Cache>
-void check_context_shift(const Cache& cache, seq_id_t seq, pos_t n_keep, pos_t discard) {
+result<void> check_context_shift(const Cache& cache, seq_id_t seq, pos_t n_keep, pos_t discard) {
     using std::to_string;
     const std::int64_t moved_from = std::int64_t{n_keep} + discard;
     const std::uint32_t splits = shared_cells_from(cache, seq, moved_from);
     const std::uint32_t freed = exclusive_cells_in(cache, seq, n_keep, moved_from);
     if (splits > cache.capacity() - cache.used() + freed)
-        detail::fail(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) + " free cells, " +
-                                         to_string(cache.capacity() - cache.used() + freed) + " available");
+        return detail::make_error(errc::no_space, "context_shift: moving shared cells needs " + to_string(splits) +
+                                                      " free cells, " +
+                                                      to_string(cache.capacity() - cache.used() + freed) +
+                                                      " available");
     if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {  // layout capability (ring: both calls checked before the first runs)
         const seq_step steps[] = {{seq_step::op::rm, n_keep, static_cast<pos_t>(moved_from), 0},
                                   {seq_step::op::add, static_cast<pos_t>(moved_from), -1, -discard}};
-        cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "context_shift");
+        return cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps),
+                                               "context_shift");
     }
+    return {};
 }
 }  // namespace detail_ctx
 
@@ -77,10 +81,13 @@ void check_context_shift(const Cache& cache, seq_id_t seq, pos_t n_keep, pos_t d
 /// (apply it with ops::apply_k_shift before the next attention).
 /// Requires 0 <= n_keep <= n_past and 0 < n_discard <= n_past - n_keep; anything else
 /// throws kvcache::error(invalid_argument) naming the value (llama.cpp accepted a negative
-/// n_discard: CVE-2026-21869). Throws errc::no_space if shared cells cannot be split.
-/// The cache is unchanged when it throws.
+/// n_discard: CVE-2026-21869), and errc::unsupported on a memory that can never move
+/// positions (can_shift == false). Returns an error result when the cache cannot take the
+/// shift now: no_space (free cells to split shared cells), unsupported (a ring whose window
+/// pruned positions the calls need). The cache is unchanged when it refuses or throws.
 template <class Memory>
-context_shift_result context_shift(Memory& cache, seq_id_t seq, pos_t n_keep, std::optional<pos_t> n_discard = {}) {
+[[nodiscard]] result<context_shift_result> context_shift(Memory& cache, seq_id_t seq, pos_t n_keep,
+                                                         std::optional<pos_t> n_discard = {}) {
     static_assert(kvcache::memory<Memory>, "kvcache: ops::context_shift needs a kvcache::memory (see kvcache/memory/memory.hpp)");
     static_assert(kv_memory<Memory> || composite_memory<Memory>,
                   "kvcache: ops::context_shift needs a kvcache::kv_memory or a kvcache::composite_memory of them");
@@ -93,16 +100,24 @@ context_shift_result context_shift(Memory& cache, seq_id_t seq, pos_t n_keep, st
     if (discard <= 0 || discard > n_past - n_keep)
         detail::fail(errc::invalid_argument, "context_shift: n_discard = " + to_string(discard) +
                                                  ", must be in [1, n_past - n_keep = " + to_string(n_past - n_keep) + "]");
+    if constexpr (!Memory::can_shift)
+        detail::fail(errc::unsupported, "context_shift: the memory cannot move positions (can_shift == false)");
     const std::int64_t moved_from = std::int64_t{n_keep} + discard;
     // Every part is checked before any changes (a composite's seq_rm / seq_add are each
     // atomic, and these checks make sure neither can refuse in any part).
+    result<void> allowed;
     if constexpr (composite_memory<Memory>)
-        cache.for_each_part([&](const auto& part) { detail_ctx::check_context_shift(part, seq, n_keep, discard); });
+        cache.for_each_part([&](const auto& part) {
+            if (allowed) allowed = detail_ctx::check_context_shift(part, seq, n_keep, discard);
+        });
     else
-        detail_ctx::check_context_shift(cache, seq, n_keep, discard);
-    cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from));
-    cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard);
-    return {n_keep, discard, n_past - discard};
+        allowed = detail_ctx::check_context_shift(cache, seq, n_keep, discard);
+    if (!allowed) return detail::make_error(allowed.code(), allowed.message());
+    if (result<void> r = cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from)); !r)
+        return detail::make_error(r.code(), r.message());  // checked above: not reached
+    if (result<void> r = cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard); !r)
+        return detail::make_error(r.code(), r.message());  // checked above (paged: free blocks may not suffice)
+    return context_shift_result{n_keep, discard, n_past - discard};
 }
 
 /// F14: Self-Extend state of one sequence: group factor ga_n, window ga_w (a multiple of
@@ -148,18 +163,20 @@ namespace detail_ctx {
 /// What Self-Extend would refuse in one K/V cache (free cells for splits, the layout hook
 /// check_seq_steps over every call), checked before anything changes.
 template <class Cache>
-void check_self_extend(const Cache& cache, seq_id_t seq, const self_extend_state& st, pos_t n_past) {
+result<void> check_self_extend(const Cache& cache, seq_id_t seq, const self_extend_state& st, pos_t n_past) {
     using std::to_string;
     // Every cell of seq from ga_i on may move; each shared one is split at most once.
     const std::uint32_t splits = shared_cells_from(cache, seq, st.ga_i);
     if (splits > cache.capacity() - cache.used())
-        detail::fail(errc::no_space, "self_extend: moving shared cells needs " + to_string(splits) + " free cells, " +
-                                         to_string(cache.capacity() - cache.used()) + " free");
+        return detail::make_error(errc::no_space, "self_extend: moving shared cells needs " + to_string(splits) +
+                                                      " free cells, " + to_string(cache.capacity() - cache.used()) +
+                                                      " free");
     if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {
         std::vector<seq_step> steps;  // layout capability (ring: calls that need pruned positions)
         self_extend_steps(st, n_past, [&](const seq_step& x) { steps.push_back(x); });
-        cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "self_extend");
+        return cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "self_extend");
     }
+    return {};
 }
 }  // namespace detail_ctx
 
@@ -169,12 +186,14 @@ void check_self_extend(const Cache& cache, seq_id_t seq, const self_extend_state
 /// ib = ga_n*ga_i/ga_w, bd = (ga_w/ga_n)*(ga_n-1), dd = ga_w/ga_n - ib*bd - ga_w.
 /// Returns the new n_past (n_past - bd per round) and advances st.ga_i by ga_w/ga_n.
 /// Records the K-shifts (apply them with ops::apply_k_shift). Throws kvcache::error on
-/// invalid ga_n / ga_w / n_past, no_space if shared cells cannot be split, or unsupported
-/// when a layout would refuse one of the calls (a ring whose window pruned positions they
-/// need: every call is checked first through the layout hook check_seq_steps); the cache
-/// and st are unchanged when it throws.
+/// invalid ga_n / ga_w / n_past or positions past 2^31-1 (invalid_argument) and on a memory
+/// that can never move positions (unsupported, can_shift == false). Returns an error result
+/// when the cache cannot take it now: no_space (free cells to split shared cells),
+/// unsupported (a ring whose window pruned positions the calls need: every call is checked
+/// first through the layout hook check_seq_steps). The cache and st are unchanged when it
+/// refuses or throws.
 template <class Memory>
-pos_t self_extend(Memory& cache, seq_id_t seq, self_extend_state& st, pos_t n_past) {
+[[nodiscard]] result<pos_t> self_extend(Memory& cache, seq_id_t seq, self_extend_state& st, pos_t n_past) {
     static_assert(kvcache::memory<Memory>, "kvcache: ops::self_extend needs a kvcache::memory (see kvcache/memory/memory.hpp)");
     static_assert(kv_memory<Memory> || composite_memory<Memory>,
                   "kvcache: ops::self_extend needs a kvcache::kv_memory or a kvcache::composite_memory of them");
@@ -193,11 +212,21 @@ pos_t self_extend(Memory& cache, seq_id_t seq, self_extend_state& st, pos_t n_pa
             detail::fail(errc::invalid_argument,
                          "self_extend: positions would pass 2^31-1 (n_past = " + to_string(n_past) + ")");
     });
+    if constexpr (!Memory::can_shift)
+        detail::fail(errc::unsupported, "self_extend: the memory cannot move positions (can_shift == false)");
+    result<void> allowed;
     if constexpr (composite_memory<Memory>)
-        cache.for_each_part([&](const auto& part) { detail_ctx::check_self_extend(part, seq, st, n_past); });
+        cache.for_each_part([&](const auto& part) {
+            if (allowed) allowed = detail_ctx::check_self_extend(part, seq, st, n_past);
+        });
     else
-        detail_ctx::check_self_extend(cache, seq, st, n_past);
-    const auto [np, gi] = detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) { run_step(cache, seq, x); });
+        allowed = detail_ctx::check_self_extend(cache, seq, st, n_past);
+    if (!allowed) return detail::make_error(allowed.code(), allowed.message());
+    result<void> ran;
+    const auto [np, gi] = detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) {
+        if (ran) ran = run_step(cache, seq, x);  // checked above (paged: free blocks may not suffice)
+    });
+    if (!ran) return detail::make_error(ran.code(), ran.message());
     st.ga_i = static_cast<pos_t>(gi);
     return static_cast<pos_t>(np);
 }

@@ -208,7 +208,7 @@ public:
     }
 
     /// Shares every cell of seq with a reserved sequence (seq_cp). Error no_space when every
-    /// reserved sequence id holds an entry.
+    /// reserved sequence id holds an entry, or seq_cp's error when the layout refuses the copy.
     result<handle> save(Cache& cache, seq_id_t seq) {
         if (free_.empty())
             return detail::make_error(errc::no_space, "shared_store::save: every reserved sequence id holds an entry");
@@ -216,8 +216,9 @@ public:
         if (static_cast<std::uint32_t>(e) >= cache.shape().n_seq_max)
             detail::fail(errc::invalid_argument, "shared_store: reserved sequence " + std::to_string(e) +
                                                      " is not below n_seq_max = " + std::to_string(cache.shape().n_seq_max));
-        cache.seq_rm(e, -1, -1);
-        cache.seq_cp(seq, e, -1, -1);
+        cache.seq_rm(e, -1, -1).value();  // the whole sequence: never refused
+        if (result<void> r = cache.seq_cp(seq, e, -1, -1); !r)  // a layout may refuse (ring: pruned positions)
+            return detail::make_error(r.code(), "shared_store::save: " + r.message());
         free_.pop_back();
         return handle{e};
     }
@@ -226,7 +227,8 @@ public:
         if (cache.seq_pos_max(dst) >= 0)
             return detail::make_error(errc::invalid_argument,
                                       "shared_store::load: destination sequence " + std::to_string(dst) + " is not empty");
-        cache.seq_cp(h.seq, dst, -1, -1);
+        if (result<void> r = cache.seq_cp(h.seq, dst, -1, -1); !r)
+            return detail::make_error(r.code(), "shared_store::load: " + r.message());
         return {};
     }
     /// Bytes of the cells the entry keeps alive (shared cells counted in full).
@@ -235,7 +237,7 @@ public:
     }
     void release(Cache& cache, handle& h) {
         if (h.seq < 0) return;
-        cache.seq_rm(h.seq, -1, -1);
+        cache.seq_rm(h.seq, -1, -1).value();  // the whole sequence: never refused
         free_.push_back(h.seq);
         h.seq = -1;
     }

@@ -2,7 +2,8 @@
 // (F19-F23). A slot owns one sequence of the cache and the tokens it holds.
 //
 //   kvcache::slot_manager slots(cache, {.n_slots = 2});
-//   auto p = slots.prepare(request, {.salt = tenant});  // picks a slot, reuses what it can
+//   auto p = slots.prepare(request, {.salt = tenant}).value();  // picks a slot, reuses what it can
+//   // (an error result: no_space when every slot is busy; check p.ok() to wait instead)
 //   // (chunks moved by chunk_shift were already rotated: slot_options::apply_k_shift)
 //   // compute request positions [p.n_past, p.n_request) into sequence p.seq
 //   slots.commit_prompt(p.slot);
@@ -161,15 +162,20 @@ public:
     /// cache_prompt = false do not ask the policy and keep nothing. Throws kvcache::error:
     /// invalid_argument (empty request, bad or busy slot_id, or a plan that check_plan refuses:
     /// it claims more than the tokens allow, or moves cells while the policy's needs_shift is
-    /// false; thrown before the cache or the slots change), no_space (every slot busy),
-    /// transaction_open.
-    prepared_request prepare(const prompt_tokens& request, const request_options& ro = {}) {
+    /// false; thrown before the cache or the slots change), transaction_open. Returns an error
+    /// result, nothing changed, when every slot is busy (no_space). When the cache cannot take
+    /// the plan (reuse::apply_plan refuses: no free cell to split shared cells, positions a
+    /// ring pruned) the slot's state is dropped and the whole request is computed (n_past 0).
+    [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
         if (request.empty()) detail::fail(errc::invalid_argument, "slot_manager::prepare: the request has no tokens");
         if (cache_->in_transaction())
             detail::fail(errc::transaction_open, "slot_manager::prepare: placements are staged; commit() or restore() first");
         const bool reuse_on = ro.cache_prompt;
         const int id = pick_slot(request, ro, reuse_on);
+        if (id < 0)
+            return detail::make_error(errc::no_space, "slot_manager::prepare: every one of the " +
+                                                          std::to_string(slots_.size()) + " slots is busy");
         slot& s = slots_[static_cast<std::size_t>(id)];
         const seq_id_t seq = opt_.first_seq + id;
         prepared_request out;
@@ -221,7 +227,12 @@ public:
             }
         }
         if (opt_.n_swa > 0 && plan.n_past > 0) plan = swa_adjust(s, seq, request, plan, out.metrics);
-        reuse::apply_plan(*cache_, seq, plan);
+        if (!reuse::apply_plan(*cache_, seq, plan)) {  // refused, nothing changed: recompute everything
+            drop_state(s, seq);
+            plan = reuse::plan{};
+            plan.n_request = out.n_request;
+            reuse::apply_plan(*cache_, seq, plan).value();  // an empty sequence: never refused
+        }
         if constexpr (Cache::can_shift)
             if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
         s.tokens = request;
@@ -283,24 +294,28 @@ public:
     }
 
     /// Saves the slot's sliding-window state at its current positions (F23); the oldest
-    /// checkpoint is dropped beyond max_checkpoints. Throws no_space if the store refuses.
-    void save_checkpoint(int slot_id) {
+    /// checkpoint is dropped beyond max_checkpoints. Returns the store's error result (e.g.
+    /// no_space) when it refuses, nothing changed.
+    [[nodiscard]] result<void> save_checkpoint(int slot_id) {
         slot& s = slots_[check_slot("save_checkpoint", slot_id)];
         const seq_id_t seq = opt_.first_seq + slot_id;
-        if (cache_->seq_pos_max(seq) < 0) return;
+        if (cache_->seq_pos_max(seq) < 0) return {};
         auto h = store().save(*cache_, seq);
-        if (!h) detail::fail(h.code(), "slot_manager::save_checkpoint: " + h.message());
+        if (!h) return detail::make_error(h.code(), "slot_manager::save_checkpoint: " + h.message());
         s.checkpoints.push_back({window_pos_min(seq), cache_->seq_pos_max(seq), std::move(h).value()});
         while (s.checkpoints.size() > std::max<std::uint32_t>(1, opt_.max_checkpoints)) {
             store().release(*cache_, s.checkpoints.front().state);
             s.checkpoints.erase(s.checkpoints.begin());
         }
+        return {};
     }
 
     /// Ends the slot's request: the slot becomes idle and keeps its tokens and K/V; with
     /// reuse::global its state is also saved into the global prompt cache (F21). Positions
     /// the host placed but did not commit (commit_prompt / append) are removed first, so the
-    /// sequence holds exactly tokens(slot). Throws transaction_open if placements are staged.
+    /// sequence holds exactly tokens(slot); when the layout refuses that truncation (a ring
+    /// whose window pruned the positions the next token would need) the slot's state is
+    /// dropped instead. Throws transaction_open if placements are staged.
     void release(int slot_id) {
         slot& s = slots_[check_slot("release", slot_id)];
         if (!s.busy) return;
@@ -308,7 +323,7 @@ public:
             detail::fail(errc::transaction_open, "slot_manager::release: placements are staged; commit() or restore() first");
         const seq_id_t seq = opt_.first_seq + slot_id;
         if (cache_->seq_pos_max(seq) >= static_cast<pos_t>(s.tokens.size()))
-            cache_->seq_rm(seq, static_cast<pos_t>(s.tokens.size()), -1);
+            if (!cache_->seq_rm(seq, static_cast<pos_t>(s.tokens.size()), -1)) drop_state(s, seq);
         s.busy = false;
         s.has_pending = false;
         s.pending.clear();
@@ -374,7 +389,7 @@ private:
     }
 
     /// F22: explicit id, else the idle slot with the longest prefix above the similarity
-    /// threshold (same tenant), else the least recently used idle slot.
+    /// threshold (same tenant), else the least recently used idle slot; -1 when every slot is busy.
     int pick_slot(const prompt_tokens& request, const request_options& ro, bool reuse_on) const {
         if (ro.slot_id >= 0) {
             const std::size_t i = check_slot("prepare", ro.slot_id);
@@ -400,14 +415,11 @@ private:
         for (std::size_t i = 0; i < slots_.size(); ++i)
             if (!slots_[i].busy && (best < 0 || slots_[i].last_used < slots_[static_cast<std::size_t>(best)].last_used))
                 best = static_cast<int>(i);
-        if (best < 0)
-            detail::fail(errc::no_space, "slot_manager::prepare: every one of the " + std::to_string(slots_.size()) +
-                                             " slots is busy");
-        return best;
+        return best;  // -1: every slot is busy
     }
 
     void drop_state(slot& s, seq_id_t seq) {
-        cache_->seq_rm(seq, -1, -1);
+        cache_->seq_rm(seq, -1, -1).value();  // the whole sequence: never refused
         s.tokens.clear();
         s.hits = 0;
         for (auto& ck : s.checkpoints) store().release(*cache_, ck.state);
@@ -426,13 +438,13 @@ private:
             const std::int64_t n = std::int64_t{it->pos_max} + 1;
             if (n > p.n_past || it->pos_min > std::max<std::int64_t>(0, n - opt_.n_swa)) continue;
             if (request.cuts_chunk(static_cast<std::size_t>(n))) continue;
-            cache_->seq_rm(seq, -1, -1);
+            cache_->seq_rm(seq, -1, -1).value();  // the whole sequence: never refused
             if (!store().load(*cache_, seq, it->state)) break;
             q.n_lcp = q.n_past = static_cast<std::uint32_t>(n);
             m.checkpoint_restored = true;
             return q;
         }
-        cache_->seq_rm(seq, -1, -1);
+        cache_->seq_rm(seq, -1, -1).value();
         return q;
     }
 

@@ -212,13 +212,17 @@ void for_each_step(const plan& p, Emit&& emit) {
 
 /// Performs plan p on sequence seq (F19, F20): the calls of for_each_step. Moved cells keep a
 /// pending K-shift (cache.has_shift()); apply it with the K-shift kernel before attention.
-/// Throws kvcache::error before changing anything if the plan cannot be applied: no_space
-/// (shared cells to split), unsupported (a layout that cannot move positions, or a ring that
-/// would refuse one of the calls because its window pruned positions they need: every call
-/// is checked first through the layout hook check_seq_steps), invalid_argument (seq, or a
-/// move with dst < 0, dst > src or src + n past 2^31-1, or n_past past 2^31-1).
+/// Returns an error result, nothing changed, when the cache cannot take the plan now:
+/// no_space (free cells to split shared cells), unsupported (a ring that would refuse one of
+/// the calls because its window pruned positions they need: every call is checked first
+/// through the layout hook check_seq_steps). Throws kvcache::error, nothing changed, for a
+/// programming error: unsupported (the plan moves chunks on a layout that can never move
+/// positions), transaction_open, invalid_argument (seq, or a move with dst < 0, dst > src
+/// or src + n past 2^31-1, or n_past past 2^31-1). A layout whose split targets need
+/// whole free blocks (paged) may still refuse a seq_add after the plan's first seq_rm;
+/// the result then carries that refusal.
 template <class Cache>
-void apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
+[[nodiscard]] result<void> apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
     using std::to_string;
     if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.shape().n_seq_max)
         detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
@@ -240,17 +244,24 @@ void apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
                                                 std::string(Cache::layout::name) + " layout cannot move positions");
         const std::uint32_t need = cells_needed(cache, seq, p);
         if (need > cache.capacity() - cache.used())
-            detail::fail(errc::no_space, "apply_plan: moving chunks needs " + to_string(need) +
-                                             " free cells to split shared cells, " +
-                                             to_string(cache.capacity() - cache.used()) + " free");
+            return detail::make_error(errc::no_space, "apply_plan: moving chunks needs " + to_string(need) +
+                                                          " free cells to split shared cells, " +
+                                                          to_string(cache.capacity() - cache.used()) + " free");
         if constexpr (cache_has_capability<Cache, layout_caps::seq_steps_check>()) {
             std::vector<seq_step> steps;  // layout capability (ring: calls that need pruned positions)
             steps.reserve(2 * p.moves.size() + 1);
             for_each_step(p, [&](const seq_step& st) { steps.push_back(st); });
-            cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "apply_plan");
+            if (result<void> r =
+                    cache.storage().check_seq_steps(cache.cells(), seq, std::span<const seq_step>(steps), "apply_plan");
+                !r)
+                return r;
         }
     }
-    for_each_step(p, [&](const seq_step& st) { run_step(cache, seq, st); });
+    result<void> out;
+    for_each_step(p, [&](const seq_step& st) {
+        if (out) out = run_step(cache, seq, st);
+    });
+    return out;
 }
 
 }  // namespace reuse
