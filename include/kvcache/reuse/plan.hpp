@@ -223,6 +223,16 @@ void for_each_step(const plan& p, Emit&& emit) {
 /// the result then carries that refusal.
 template <class Cache>
 [[nodiscard]] result<void> apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
+    // reuse/ sits below memory/ in the layering, so the check spells out what this needs
+    // of kvcache::memory and kvcache::kv_memory (iswa_cache has its own overload).
+    static_assert(requires(Cache& c, const Cache& cc, seq_id_t s, pos_t q) {
+                      typename Cache::memory_concept;
+                      c.seq_rm(s, q, q);
+                      c.seq_add(s, q, q, q);
+                      cc.cells();
+                      cc.shape();
+                  },
+                  "kvcache: reuse::apply_plan needs a kvcache::kv_memory (see kvcache/memory/memory.hpp)");
     using std::to_string;
     if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.shape().n_seq_max)
         detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
