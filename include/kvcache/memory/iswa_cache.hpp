@@ -327,20 +327,7 @@ namespace reuse {
 template <std::uint32_t Window, class... Policies>
 [[nodiscard]] result<void> apply_plan(iswa_cache<Window, Policies...>& cache, seq_id_t seq, const plan& p) {
     using std::to_string;
-    if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.n_seq_max())
-        detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
-                                                 to_string(cache.n_seq_max()) + ")");
-    if (cache.in_transaction())
-        detail::fail(errc::transaction_open, "apply_plan: placements are staged; commit() or restore() first");
-    if (p.n_past > std::uint32_t{0x7fffffff})
-        detail::fail(errc::invalid_argument, "apply_plan: n_past = " + to_string(p.n_past) + ", must be < 2^31");
-    for (std::size_t i = 0; i < p.moves.size(); ++i) {
-        const chunk_move& m = p.moves[i];
-        if (m.dst < 0 || m.dst > m.src || std::int64_t{m.src} + m.n > 0x7fffffff)
-            detail::fail(errc::invalid_argument, "apply_plan: moves[" + to_string(i) + "] = {src " + to_string(m.src) +
-                                                     ", dst " + to_string(m.dst) + ", n " + to_string(m.n) +
-                                                     "}: needs 0 <= dst <= src and src + n < 2^31");
-    }
+    check_apply_args(seq, cache.n_seq_max(), cache.in_transaction(), p);
     std::vector<seq_step> steps;
     for_each_step(p, [&](const seq_step& st) { steps.push_back(st); });
     if (!p.moves.empty()) {

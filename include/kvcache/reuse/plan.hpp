@@ -210,6 +210,27 @@ void for_each_step(const plan& p, Emit&& emit) {
     emit(seq_step{seq_step::op::rm, static_cast<pos_t>(p.n_past), -1, 0});
 }
 
+/// The programming errors apply_plan refuses before looking at the cache (every memory's
+/// overload calls it first): seq out of [0, n_seq_max), an open transaction, n_past or a
+/// move past 2^31-1, a move with dst < 0 or dst > src. Throws kvcache::error.
+inline void check_apply_args(seq_id_t seq, std::uint32_t n_seq_max, bool in_transaction, const plan& p) {
+    using std::to_string;
+    if (seq < 0 || static_cast<std::uint32_t>(seq) >= n_seq_max)
+        detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
+                                                 to_string(n_seq_max) + ")");
+    if (in_transaction)
+        detail::fail(errc::transaction_open, "apply_plan: placements are staged; commit() or restore() first");
+    if (p.n_past > std::uint32_t{0x7fffffff})
+        detail::fail(errc::invalid_argument, "apply_plan: n_past = " + to_string(p.n_past) + ", must be < 2^31");
+    for (std::size_t i = 0; i < p.moves.size(); ++i) {
+        const chunk_move& m = p.moves[i];
+        if (m.dst < 0 || m.dst > m.src || std::int64_t{m.src} + m.n > 0x7fffffff)
+            detail::fail(errc::invalid_argument, "apply_plan: moves[" + to_string(i) + "] = {src " + to_string(m.src) +
+                                                     ", dst " + to_string(m.dst) + ", n " + to_string(m.n) +
+                                                     "}: needs 0 <= dst <= src and src + n < 2^31");
+    }
+}
+
 /// Performs plan p on sequence seq (F19, F20): the calls of for_each_step. Moved cells keep a
 /// pending K-shift (cache.has_shift()); apply it with the K-shift kernel before attention.
 /// Returns an error result, nothing changed, when the cache cannot take the plan now:
@@ -234,20 +255,7 @@ template <class Cache>
                   },
                   "kvcache: reuse::apply_plan needs a kvcache::kv_memory (see kvcache/memory/memory.hpp)");
     using std::to_string;
-    if (seq < 0 || static_cast<std::uint32_t>(seq) >= cache.shape().n_seq_max)
-        detail::fail(errc::invalid_argument, "apply_plan: seq = " + to_string(seq) + ", must be in [0, " +
-                                                 to_string(cache.shape().n_seq_max) + ")");
-    if (cache.in_transaction())
-        detail::fail(errc::transaction_open, "apply_plan: placements are staged; commit() or restore() first");
-    if (p.n_past > std::uint32_t{0x7fffffff})
-        detail::fail(errc::invalid_argument, "apply_plan: n_past = " + to_string(p.n_past) + ", must be < 2^31");
-    for (std::size_t i = 0; i < p.moves.size(); ++i) {
-        const chunk_move& m = p.moves[i];
-        if (m.dst < 0 || m.dst > m.src || std::int64_t{m.src} + m.n > 0x7fffffff)
-            detail::fail(errc::invalid_argument, "apply_plan: moves[" + to_string(i) + "] = {src " + to_string(m.src) +
-                                                     ", dst " + to_string(m.dst) + ", n " + to_string(m.n) +
-                                                     "}: needs 0 <= dst <= src and src + n < 2^31");
-    }
+    check_apply_args(seq, cache.shape().n_seq_max, cache.in_transaction(), p);
     if (!p.moves.empty()) {
         if constexpr (!Cache::layout::can_shift)
             detail::fail(errc::unsupported, "apply_plan: the plan moves chunks but the " +
