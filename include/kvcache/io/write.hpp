@@ -16,6 +16,7 @@
 #include "../tokens/token.hpp"
 #include "detail/xxhash.hpp"
 #include "fingerprint.hpp"
+#include "header.hpp"
 #include "format.hpp"
 #include "transfer.hpp"
 
@@ -86,14 +87,15 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
     w.put<std::uint32_t>(state_magic);
     w.put<std::uint32_t>(state_version);
     w.put<std::uint64_t>(out.size());
-    w.put<std::uint32_t>(static_cast<std::uint32_t>(seq < 0 ? state_kind::whole_cache : state_kind::one_sequence));
-    w.put<std::uint32_t>(pruning.empty() ? 0u : state_flag_pruning);
-    for (const fp_field& d : fingerprint_fields) w.put<std::uint32_t>(f.*d.member);
-    w.put<std::int32_t>(seq < 0 ? -1 : seq);
-    w.put<std::uint32_t>(0);  // reserved
-    w.put<std::uint64_t>(tokens.size());
-    w.put<std::uint64_t>(media.size());
-    w.put<std::uint64_t>(cells.size());
+    state_header h;
+    h.kind = static_cast<std::uint32_t>(seq < 0 ? state_kind::whole_cache : state_kind::one_sequence);
+    h.flags = pruning.empty() ? 0u : state_flag_pruning;
+    h.fp = f;
+    h.seq = seq < 0 ? -1 : seq;
+    h.n_tokens = tokens.size();
+    h.n_media = media.size();
+    h.n_cells = cells.size();
+    write_header(w, h);
     w.put_bytes(tokens.data(), tokens.size_bytes());
     for (const media_chunk& m : media) {
         w.put<std::uint64_t>(m.id);
