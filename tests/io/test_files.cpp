@@ -8,10 +8,12 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
-#include <sys/stat.h>  // mkfifo
+#include <sys/resource.h>  // getrusage
+#include <sys/stat.h>      // mkfifo
 #include <unistd.h>    // geteuid, getpid
 
 #include "io/io_test_util.hpp"
@@ -129,4 +131,72 @@ TEST_CASE("unreadable paths and failed writes give io_error, the cache and old f
     CHECK(w2.code() == errc::io_error);
     CHECK(fs::file_size(keep) == old_size);
     for (const auto& n : dir.names()) CHECK(n.find(".tmp-") == std::string::npos);
+}
+
+namespace {
+
+/// Peak resident set of this process, in bytes.
+long peak_rss_bytes() {
+    rusage ru{};
+    ::getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss * 1024L;
+}
+
+/// A sparse file of `size` bytes whose first bytes are `head`.
+void sparse_file(const fs::path& p, std::span<const std::byte> head, std::uint64_t size) {
+    {
+        std::ofstream f(p, std::ios::binary);
+        f.write(reinterpret_cast<const char*>(head.data()), static_cast<std::streamsize>(head.size()));
+    }
+    fs::resize_file(p, size);
+}
+
+}  // namespace
+
+TEST_CASE("load_file checks a file's header against the cache before reading it whole") {
+    scratch_dir dir;
+    const kv_f16 c = filled(3);
+    kv_f16 d = filled(4);
+    const auto before = snapshot(d);
+    const std::vector<std::byte> good = io::save_state(c);
+    constexpr std::uint64_t big = std::uint64_t{1} << 30;  // 1 GiB, sparse: costs no disk
+    const long rss0 = peak_rss_bytes();
+    auto expect_refused = [&](const fs::path& p, errc code, const std::string& text) {
+        auto r = io::load_file(d, p);
+        CHECK(r.code() == code);
+        CHECK_MESSAGE(r.message().find(text) != std::string::npos, r.message());
+        CHECK(snapshot(d) == before);
+    };
+    // Not a state at all: refused from its magic.
+    const fs::path zeros = dir.path / "zeros.kvst";
+    sparse_file(zeros, {}, big);
+    expect_refused(zeros, errc::bad_magic, "magic");
+    // A real header whose total_size says 1 GiB: its counts describe a few KiB.
+    std::vector<std::byte> head(good.begin(), good.begin() + io::state_header_size);
+    kvcache::io::detail::store_le<std::uint64_t>(head.data() + 8, big);
+    const fs::path padded = dir.path / "padded.kvst";
+    sparse_file(padded, head, big);
+    expect_refused(padded, errc::trailing_bytes, "describe at most");
+    // The same header claiming more cells than the cache has, in a file of the size it declares.
+    std::vector<std::byte> many = head;
+    kvcache::io::detail::store_le<std::uint64_t>(many.data() + 96, 1u << 20);
+    const fs::path too_many = dir.path / "too_many.kvst";
+    sparse_file(too_many, many, big);
+    expect_refused(too_many, errc::no_space, "n_cells = 1048576 exceeds the capacity");
+    // A header the cache refuses (another element type) is refused before the data.
+    kvcache::kv_cache<kvcache::f32> e(io_shape(32, 2));
+    const auto before_e = snapshot(e);
+    auto r = io::load_file(e, padded);
+    CHECK(r.code() == errc::dtype_mismatch);
+    CHECK(snapshot(e) == before_e);
+    // None of these read the gigabyte.
+    CHECK(peak_rss_bytes() - rss0 < 256L * 1024 * 1024);
+    // A good file still loads through the same path, whole and per sequence.
+    const fs::path ok = dir.path / "ok.kvst";
+    REQUIRE(io::save_file(c, ok).ok());
+    auto l = io::load_file(d, ok);
+    REQUIRE_MESSAGE(l.ok(), l.message());
+    CHECK(snapshot(d) == snapshot(c));
+    // load_seq_file: dst out of range is a programming error, staged placements too.
+    CHECK_THROWS_AS(static_cast<void>(io::load_seq_file(d, 7, ok)), kvcache::error);
 }

@@ -3,6 +3,8 @@
 // each part, a wrong window, mismatched parts) that must leave both parts bit-identical.
 #include <doctest/doctest.h>
 
+#include <fstream>
+
 #include <kvcache/kvcache.hpp>
 
 #include <cstring>
@@ -121,6 +123,26 @@ TEST_CASE("iswa state: session files") {
     const auto before = kvtest::iswa_snap(c);
     CHECK(io::load_file(c, dir / "missing.kvs").code() == errc::io_error);
     CHECK(kvtest::iswa_snap(c) == before);
+    // A file whose part table declares a part larger than that part's header describes is
+    // refused from the headers (1 GiB sparse file: nothing read past them).
+    {
+        std::vector<std::byte> head = io::save_state(t.a);
+        const std::uint64_t big = std::uint64_t{1} << 30;
+        const std::uint64_t grow = big - head.size();
+        kvcache::io::detail::store_le<std::uint64_t>(head.data() + 8, big);
+        const std::uint64_t part1 = kvcache::io::detail::load_le<std::uint64_t>(head.data() + 32 + 16 + 8);
+        kvcache::io::detail::store_le<std::uint64_t>(head.data() + 32 + 16 + 8, part1 + grow);
+        head.resize(head.size() - 8);  // no checksum: the headers are refused first
+        {
+            std::ofstream f(dir / "big.kvs", std::ios::binary);
+            f.write(reinterpret_cast<const char*>(head.data()), static_cast<std::streamsize>(head.size()));
+        }
+        std::filesystem::resize_file(dir / "big.kvs", big);
+        auto r2 = io::load_file(c, dir / "big.kvs");
+        CHECK(r2.code() == errc::trailing_bytes);  // part 1 holds more bytes than its own header declares
+        CHECK_MESSAGE(r2.message().find("part 1") != std::string::npos, r2.message());
+        CHECK(kvtest::iswa_snap(c) == before);
+    }
     std::filesystem::remove_all(dir);
 }
 

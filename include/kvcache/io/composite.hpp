@@ -68,6 +68,11 @@ struct composite_expect {
     std::vector<composite_part> parts;  // size unused
 };
 
+/// Bytes of the composite header and part table for the parts `e` expects.
+inline std::size_t composite_head_size(const composite_expect& e) {
+    return composite_header_size + e.parts.size() * composite_part_entry_size;
+}
+
 /// Bytes of a composite state holding parts of the given sizes.
 inline std::size_t composite_bytes(std::span<const std::size_t> part_sizes) {
     std::size_t n = composite_header_size + part_sizes.size() * composite_part_entry_size + state_checksum_size;
@@ -100,53 +105,55 @@ inline void write_composite_checksum(std::span<std::byte> out) {
                             checksum(out.first(out.size() - state_checksum_size)));
 }
 
-/// Validates a composite state's header, part table and checksum against what the memory
-/// expects; returns each part's bytes, or the problem (errc, message).
-inline result<std::vector<std::span<const std::byte>>> parse_composite(const char* fn, std::span<const std::byte> in,
-                                                                        const composite_expect& e) {
+/// Where one part's state lies in a composite state.
+struct part_extent {
+    std::uint64_t offset = 0;
+    std::uint64_t size = 0;
+};
+
+/// Validates a composite state's header and part table against what the memory expects,
+/// from its first bytes (`head`: at least the header and part table, when `size` allows)
+/// and the `size` bytes present; returns where each part lies, or the problem.
+inline result<std::vector<part_extent>> parse_composite_head(const char* fn, std::span<const std::byte> head,
+                                                             std::uint64_t size, const composite_expect& e) {
     const std::string who = std::string(fn) + ": ";
-    using parts_t = std::vector<std::span<const std::byte>>;
+    using parts_t = std::vector<part_extent>;
     auto err = [&](errc code, const std::string& msg) -> result<parts_t> { return make_error(code, who + msg); };
-    const std::uint64_t size = in.size();
-    if (size >= 4 && load_le<std::uint32_t>(in.data()) != composite_magic) {
-        const auto m = load_le<std::uint32_t>(in.data());
+    if (size >= 4 && load_le<std::uint32_t>(head.data()) != composite_magic) {
+        const auto m = load_le<std::uint32_t>(head.data());
         return err(errc::bad_magic, "magic is " + hex(m) + ", expected " + hex(composite_magic) +
                                         " (\"KVSC\"): not a composite memory state" +
                                         (m == state_magic ? " (a single-cache state: load it into a kv_cache)" : ""));
     }
-    if (size >= 8 && load_le<std::uint32_t>(in.data() + 4) != composite_version)
+    if (size >= 8 && load_le<std::uint32_t>(head.data() + 4) != composite_version)
         return err(errc::unsupported_version, "composite format version " +
-                                                  std::to_string(load_le<std::uint32_t>(in.data() + 4)) +
+                                                  std::to_string(load_le<std::uint32_t>(head.data() + 4)) +
                                                   ", this library reads version " + std::to_string(composite_version));
-    const std::size_t table = composite_header_size + e.parts.size() * composite_part_entry_size;
+    const std::size_t table = composite_head_size(e);
     if (size < table + state_checksum_size)
         return err(errc::truncated, "state is " + std::to_string(size) + " bytes, shorter than the " +
                                         std::to_string(table + state_checksum_size) +
                                         "-byte composite header, part table and checksum");
-    const auto total = load_le<std::uint64_t>(in.data() + 8);
+    const auto total = load_le<std::uint64_t>(head.data() + 8);
     if (total < table + state_checksum_size || size < total)
         return err(errc::truncated, "state declares " + std::to_string(total) + " bytes, got " + std::to_string(size));
     if (size > total)
         return err(errc::trailing_bytes, "state declares " + std::to_string(total) + " bytes, got " +
                                              std::to_string(size));
-    const std::uint64_t stored = load_le<std::uint64_t>(in.data() + size - state_checksum_size);
-    const std::uint64_t actual = checksum(in.first(static_cast<std::size_t>(size - state_checksum_size)));
-    if (stored != actual)
-        return err(errc::checksum_mismatch, "stored checksum " + hex(stored) + ", computed " + hex(actual));
-    const auto kind = load_le<std::uint32_t>(in.data() + 16);
+    const auto kind = load_le<std::uint32_t>(head.data() + 16);
     if (kind > 1) return err(errc::unsupported, "state kind " + std::to_string(kind) + " unknown (0 or 1)");
     if (kind != static_cast<std::uint32_t>(e.kind))
         return err(errc::unsupported, kind == 0 ? "the bytes hold a whole memory; use load_state"
                                                 : "the bytes hold one sequence; use load_seq");
-    const auto ck = load_le<std::uint32_t>(in.data() + 20);
+    const auto ck = load_le<std::uint32_t>(head.data() + 20);
     if (ck != e.composite_kind)
         return err(errc::shape_mismatch, "composite kind = " + std::to_string(ck) + " in the state, the memory is " +
                                              std::to_string(e.composite_kind));
-    const auto n_parts = load_le<std::uint32_t>(in.data() + 24);
+    const auto n_parts = load_le<std::uint32_t>(head.data() + 24);
     if (n_parts != e.parts.size())
         return err(errc::shape_mismatch, "n_parts = " + std::to_string(n_parts) + " in the state, the memory has " +
                                              std::to_string(e.parts.size()));
-    const auto window = load_le<std::uint32_t>(in.data() + 28);
+    const auto window = load_le<std::uint32_t>(head.data() + 28);
     if (window != e.window)
         return err(errc::shape_mismatch, "window = " + std::to_string(window) + " in the state, the memory has " +
                                              std::to_string(e.window));
@@ -154,7 +161,7 @@ inline result<std::vector<std::span<const std::byte>>> parse_composite(const cha
     std::uint64_t at = table;
     const std::uint64_t end = size - state_checksum_size;
     for (std::size_t i = 0; i < e.parts.size(); ++i) {
-        const std::byte* p = in.data() + composite_header_size + i * composite_part_entry_size;
+        const std::byte* p = head.data() + composite_header_size + i * composite_part_entry_size;
         const std::string part = "part " + std::to_string(i) + ": ";
         const auto w = load_le<std::uint32_t>(p);
         const auto nl = load_le<std::uint32_t>(p + 4);
@@ -169,11 +176,30 @@ inline result<std::vector<std::span<const std::byte>>> parse_composite(const cha
         if (sz > end - at)
             return err(errc::truncated, part + "declares " + std::to_string(sz) + " bytes, " +
                                             std::to_string(end - at) + " left");
-        parts.push_back(in.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(sz)));
+        parts.push_back(part_extent{at, sz});
         at += sz;
     }
     if (at != end)
         return err(errc::trailing_bytes, std::to_string(end - at) + " bytes between the last part and the checksum");
+    return parts;
+}
+
+/// Validates a whole composite state (parse_composite_head, then the checksum); returns
+/// each part's bytes, or the problem.
+inline result<std::vector<std::span<const std::byte>>> parse_composite(const char* fn, std::span<const std::byte> in,
+                                                                        const composite_expect& e) {
+    using parts_t = std::vector<std::span<const std::byte>>;
+    auto extents = parse_composite_head(fn, in, in.size(), e);
+    if (!extents) return make_error(extents.code(), extents.message());
+    const std::uint64_t size = in.size();
+    const std::uint64_t stored = load_le<std::uint64_t>(in.data() + size - state_checksum_size);
+    const std::uint64_t actual = checksum(in.first(static_cast<std::size_t>(size - state_checksum_size)));
+    if (stored != actual)
+        return make_error(errc::checksum_mismatch,
+                          std::string(fn) + ": stored checksum " + hex(stored) + ", computed " + hex(actual));
+    parts_t parts;
+    for (const part_extent& x : extents.value())
+        parts.push_back(in.subspan(static_cast<std::size_t>(x.offset), static_cast<std::size_t>(x.size)));
     return parts;
 }
 

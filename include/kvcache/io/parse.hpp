@@ -51,16 +51,16 @@ struct staged_state {
     std::uint64_t layer_bytes = 0;
 };
 
-/// The checks every state passes before its fields are read: magic, version, declared
-/// size against the bytes present, checksum. Returns the first problem, or nothing.
-inline maybe_problem check_envelope(std::span<const std::byte> in) {
+/// The checks of a state's first bytes: magic, version, declared size against the `size`
+/// bytes present. `head` holds the state's first min(size, state_header_size) bytes or
+/// more. Returns the first problem, or nothing.
+inline maybe_problem check_envelope_head(std::span<const std::byte> head, std::uint64_t size) {
     auto err = [](errc code, std::string msg) { return maybe_problem(parse_problem{code, std::move(msg)}); };
-    const std::uint64_t size = in.size();
-    if (size >= 4 && load_le<std::uint32_t>(in.data()) != state_magic)
-        return err(errc::bad_magic, "magic is " + hex(load_le<std::uint32_t>(in.data())) + ", expected " +
+    if (size >= 4 && load_le<std::uint32_t>(head.data()) != state_magic)
+        return err(errc::bad_magic, "magic is " + hex(load_le<std::uint32_t>(head.data())) + ", expected " +
                                         hex(state_magic) + " (\"KVST\"): not a kvcache state");
     if (size >= 8) {
-        const auto v = load_le<std::uint32_t>(in.data() + off::version);
+        const auto v = load_le<std::uint32_t>(head.data() + off::version);
         if (v > state_version)
             return err(errc::unsupported_version, "format version " + std::to_string(v) +
                                                       " is newer than this library reads (version " +
@@ -74,18 +74,78 @@ inline maybe_problem check_envelope(std::span<const std::byte> in) {
         return err(errc::truncated, "state is " + std::to_string(size) + " bytes, shorter than the " +
                                         std::to_string(state_header_size + state_checksum_size) +
                                         "-byte header and checksum");
-    const auto total = load_le<std::uint64_t>(in.data() + off::total_size);
+    const auto total = load_le<std::uint64_t>(head.data() + off::total_size);
     if (total < state_header_size + state_checksum_size || size < total)
         return err(errc::truncated, "state declares " + std::to_string(total) + " bytes, got " + std::to_string(size));
     if (size > total)
         return err(errc::trailing_bytes, "state declares " + std::to_string(total) + " bytes, got " +
                                              std::to_string(size) + " (" + std::to_string(size - total) +
                                              " bytes after its end)");
+    return std::nullopt;
+}
+
+/// The checks every state passes before its fields are read: check_envelope_head, then
+/// the checksum. Returns the first problem, or nothing.
+inline maybe_problem check_envelope(std::span<const std::byte> in) {
+    if (auto bad = check_envelope_head(in, in.size())) return bad;
+    const std::uint64_t size = in.size();
     const std::uint64_t stored = load_le<std::uint64_t>(in.data() + size - state_checksum_size);
     const std::uint64_t actual = checksum(in.first(static_cast<std::size_t>(size - state_checksum_size)));
     if (stored != actual)
-        return err(errc::checksum_mismatch, "stored checksum " + hex(stored) + ", computed " + hex(actual));
+        return parse_problem{errc::checksum_mismatch, "stored checksum " + hex(stored) + ", computed " + hex(actual)};
+    return std::nullopt;
+}
 
+/// Cells a state of `kind` may fill: the capacity for a whole cache; for one sequence the
+/// free cells plus the cells only `dst` uses (they are replaced).
+template <class Cache>
+std::uint64_t state_room(const Cache& cache, state_kind kind, seq_id_t dst) {
+    const cell_table& ct = cache.cells();
+    if (kind == state_kind::whole_cache) return ct.size();
+    std::uint64_t room = ct.free_count();
+    for (std::uint32_t c : ct.used_cells())
+        if (ct.seqs(c).test(dst) && ct.seqs(c).count() == 1) ++room;
+    return room;
+}
+
+/// The largest state a header with these counts can describe: every cell record with
+/// n_seq_max sequence ids, a full pruning table. Nothing when it overflows 64 bits.
+inline std::optional<std::uint64_t> state_size_bound(const state_header& h, std::uint32_t n_seq_max,
+                                                     const layer_sizes& ls) {
+    std::optional<std::uint64_t> n = state_header_size + state_checksum_size + 4 + std::uint64_t{8} * n_seq_max;
+    auto add = [&](std::optional<std::uint64_t> v) { n = n && v ? add_u64(*n, *v) : std::nullopt; };
+    add(mul_u64(h.n_tokens, 4));
+    add(mul_u64(h.n_media, 16));
+    add(mul_u64(h.n_cells, 12 + std::uint64_t{4} * n_seq_max));
+    add(mul_u64(ls.layer, h.fp.n_layer));
+    return n;
+}
+
+/// What can be checked from a state's first bytes alone, so that a file is refused before
+/// it is read whole: the envelope's head, the header's fields and rules against `cache`,
+/// n_cells against the room, and the declared size against the largest state the counts
+/// can describe. `head` holds the first min(size, state_header_size) bytes.
+template <class Cache>
+maybe_problem check_state_head(const Cache& cache, std::span<const std::byte> head, std::uint64_t size,
+                               state_kind want, seq_id_t dst, const load_options& opt) {
+    if (auto bad = check_envelope_head(head, size)) return bad;
+    byte_reader r(head.first(state_header_size));
+    r.take(off::kind);
+    const state_header h = read_header(r);
+    if (auto bad = check_header(h, header_expect{want, fingerprint_of(cache), opt.max_tokens})) return bad;
+    const std::uint64_t room = state_room(cache, want, dst);
+    if (h.n_cells > room)
+        return parse_problem{errc::no_space, "n_cells = " + std::to_string(h.n_cells) + " exceeds " +
+                                                 (want == state_kind::one_sequence ? "the free cells " : "the capacity ") +
+                                                 std::to_string(room)};
+    const auto ls = sizes_for(h.fp, h.n_cells);
+    const auto bound = ls ? state_size_bound(h, cache.shape().n_seq_max, *ls) : std::nullopt;
+    if (!bound || size > *bound)
+        return parse_problem{errc::trailing_bytes,
+                             "state declares " + std::to_string(size) + " bytes; its counts (n_tokens = " +
+                                 std::to_string(h.n_tokens) + ", n_media = " + std::to_string(h.n_media) +
+                                 ", n_cells = " + std::to_string(h.n_cells) + ") describe at most " +
+                                 (bound ? std::to_string(*bound) : std::string("2^64")) + " bytes"};
     return std::nullopt;
 }
 
@@ -119,13 +179,7 @@ maybe_problem counts(parse_context<Cache>& c) {
     if (!media_bytes || !c.r.has(*tok_bytes + *media_bytes))  // sum <= 5 * n_tokens * 4: no overflow
         return fail(errc::truncated, "n_media = " + std::to_string(h.n_media) + " needs more bytes than the " +
                                          std::to_string(c.r.left() - *tok_bytes) + " left");
-    const cell_table& ct = c.cache.cells();
-    std::uint64_t room = ct.size();
-    if (c.one_seq()) {  // free cells + cells only dst uses (they are replaced)
-        room = ct.free_count();
-        for (std::uint32_t cell : ct.used_cells())
-            if (ct.seqs(cell).test(c.dst) && ct.seqs(cell).count() == 1) ++room;
-    }
+    const std::uint64_t room = state_room(c.cache, c.st.kind, c.dst);
     if (h.n_cells > room)
         return fail(errc::no_space, "n_cells = " + std::to_string(h.n_cells) + " exceeds " +
                                         (c.one_seq() ? "the free cells " : "the capacity ") + std::to_string(room));
