@@ -17,6 +17,7 @@
 
 #include "reference/attention_ref.hpp"
 #include "reference/rope_ref.hpp"
+#include "support/rope_fill.hpp"
 #include "support/result_check.hpp"
 
 namespace {
@@ -262,30 +263,6 @@ TEST_CASE("custom element: decode over a long context (fused loop, fine split-K)
 
 namespace {
 
-// Fills sequence 0 at `pos` with K = rope(x, p) (scaled per layer) and V = 0.5; returns x.
-template <class Cache>
-std::vector<std::vector<double>> fill_rope(Cache& cache, const std::vector<pos_t>& pos, std::mt19937& rng) {
-    const auto& s = cache.shape();
-    std::normal_distribution<double> nd(0.0, 1.0);
-    std::vector<std::vector<double>> x(pos.size() * s.n_head_kv, std::vector<double>(s.dim_k()));
-    for (auto& row : x)
-        for (auto& v : row) v = nd(rng);
-    std::vector<seq_id_t> seq(pos.size(), 0);
-    auto pl = cache.place(pos, seq).value();
-    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
-        std::vector<float> k(pos.size() * s.k_row_size()), v(pos.size() * s.v_row_size(), 0.5f);
-        for (std::size_t i = 0; i < pos.size(); ++i)
-            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
-                const auto r = ref::rope_head(x[i * s.n_head_kv + h], pos[i], s.rope);
-                for (std::uint32_t d = 0; d < s.dim_k(); ++d)
-                    k[i * s.k_row_size() + h * s.dim_k() + d] = static_cast<float>(r[d] * (1.0 + 0.1 * l));
-            }
-        cache.write_k(l, pl.cells, k.data());
-        cache.write_v(l, pl.cells, v.data());
-    }
-    static_cast<void>(cache.commit());
-    return x;
-}
 
 // Relative L1 error of every token's K (found by position) against rope(x, new position).
 template <class Cache>
@@ -342,7 +319,7 @@ void kshift_suite(std::uint32_t n_cells) {
                     kvcache::kv_cache<fx, Layout> cache(s);
                     std::vector<pos_t> pos;
                     for (pos_t i = 0; i < 40; ++i) pos.push_back(100 + i);
-                    const auto x = fill_rope(cache, pos, rng);
+                    const auto x = kvtest::fill_rope(cache, pos, rng);
                     const auto v_before = all_bytes(cache, true);
                     const auto k_before = all_bytes(cache, false);
                     // Positions [100, 110) stay, [125, 140) move by -60 (to [65, 80)), [110, 125)
@@ -395,8 +372,8 @@ TEST_CASE("custom element: the SIMD and scalar K-shift paths agree to one fixed1
     std::mt19937 ra(5), rb(5);
     std::vector<pos_t> pos;
     for (pos_t i = 0; i < 70; ++i) pos.push_back(i);
-    fill_rope(a, pos, ra);
-    fill_rope(b, pos, rb);
+    kvtest::fill_rope(a, pos, ra);
+    kvtest::fill_rope(b, pos, rb);
     for (auto* c : {&a, &b}) {
         REQUIRE(c->seq_add(0, 0, 30, 1000));
         REQUIRE(c->seq_add(0, 30, -1, 7));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "reference/rope_ref.hpp"
+#include "support/rope_fill.hpp"
 #include "support/result_check.hpp"
 
 namespace {
@@ -57,30 +58,6 @@ std::vector<rope_case> rope_cases() {
     return out;
 }
 
-// Cache with one sequence: cells hold K = rope(x, p) for positions `pos`; returns the x rows.
-template <class Cache>
-std::vector<std::vector<double>> fill(Cache& cache, const std::vector<pos_t>& pos, std::mt19937& rng) {
-    const auto& s = cache.shape();
-    std::normal_distribution<double> nd(0.0, 1.0);
-    std::vector<std::vector<double>> x(pos.size() * s.n_head_kv, std::vector<double>(s.dim_k()));
-    for (auto& row : x)
-        for (auto& v : row) v = nd(rng);
-    std::vector<seq_id_t> seq(pos.size(), 0);
-    auto pl = cache.place(pos, seq).value();
-    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
-        std::vector<float> k(pos.size() * s.k_row_size()), v(pos.size() * s.v_row_size(), 0.5f);
-        for (std::size_t i = 0; i < pos.size(); ++i)
-            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
-                const auto r = ref::rope_head(x[i * s.n_head_kv + h], pos[i], s.rope);
-                for (std::uint32_t d = 0; d < s.dim_k(); ++d)
-                    k[i * s.k_row_size() + h * s.dim_k() + d] = static_cast<float>(r[d] * (1.0 + 0.1 * l));
-            }
-        cache.write_k(l, pl.cells, k.data());
-        cache.write_v(l, pl.cells, v.data());
-    }
-    static_cast<void>(cache.commit());
-    return x;
-}
 
 // Compares every cell's K with rope(x, pos_now) and returns the relative L1 error.
 template <class Cache>
@@ -143,7 +120,7 @@ TEST_CASE_TEMPLATE("K-shift: rope(rope(x, p), d) == rope(x, p + d)", E, kvcache:
                 const pos_t big = std::numeric_limits<pos_t>::max() - 100;
                 std::vector<pos_t> pos;
                 for (pos_t i = 0; i < 40; ++i) pos.push_back(i < 20 ? 50 + i : big - 20 + i);
-                const auto x = fill(cache, pos, rng);
+                const auto x = kvtest::fill_rope(cache, pos, rng);
                 const auto v_before = all_bytes(cache, true);
                 // Shift the low half by +37 and the high half by -1234567 (two distinct deltas,
                 // a tile with both: mixed per-lane tables).
@@ -175,7 +152,7 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
     for (pos_t i = 0; i < 37; ++i) pos.push_back(3 + i);
     SUBCASE("a delta near 2^31") {
         kvcache::kv_cache<E> cache(s);
-        const auto x = fill(cache, pos, rng);
+        const auto x = kvtest::fill_rope(cache, pos, rng);
         const pos_t d = std::numeric_limits<pos_t>::max() - 100;
         REQUIRE(cache.seq_add(0, 0, -1, d));
         kvcache::ops::apply_k_shift(cache);
@@ -186,8 +163,8 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
     SUBCASE("two queued shifts equal one combined shift") {
         kvcache::kv_cache<E> a(s), b(s);
         std::mt19937 r2 = rng;
-        fill(a, pos, rng);
-        fill(b, pos, r2);
+        kvtest::fill_rope(a, pos, rng);
+        kvtest::fill_rope(b, pos, r2);
         REQUIRE(a.seq_add(0, 0, -1, 1000));
         REQUIRE(a.seq_add(0, 0, -1, -250));
         REQUIRE(b.seq_add(0, 0, -1, 750));
@@ -197,7 +174,7 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
     }
     SUBCASE("seq_div shifts by new - old position") {
         kvcache::kv_cache<E> cache(s);
-        const auto x = fill(cache, pos, rng);
+        const auto x = kvtest::fill_rope(cache, pos, rng);
         REQUIRE(cache.seq_div(0, 10, 30, 4));
         std::vector<pos_t> now = pos;
         for (auto& p : now)
@@ -207,7 +184,7 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
     }
     SUBCASE("a net shift of zero and no pending shift change no byte") {
         kvcache::kv_cache<E> cache(s);
-        fill(cache, pos, rng);
+        kvtest::fill_rope(cache, pos, rng);
         const auto k0 = all_bytes(cache, false);
         kvcache::ops::apply_k_shift(cache);
         CHECK(all_bytes(cache, false) == k0);
@@ -218,7 +195,7 @@ TEST_CASE_TEMPLATE("K-shift: large deltas, queued shifts add up, zero shift is t
     }
     SUBCASE("only moving cells are written; free cells keep their bytes") {
         kvcache::kv_cache<E> cache(s);
-        fill(cache, pos, rng);
+        kvtest::fill_rope(cache, pos, rng);
         // Poison the free cells' K.
         const float nan = std::numeric_limits<float>::quiet_NaN();
         typename kvcache::kv_cache<E>::storage_type bad;
