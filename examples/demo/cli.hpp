@@ -18,7 +18,7 @@ struct options {
     std::string tokenizer;   ///< --tokenizer FILE: llama2.c's tokenizer.bin instead of the byte tokenizer
     std::string save_model;  ///< --save-model FILE: write the model in use as a llama2.c checkpoint
     std::uint64_t seed = 42;  ///< weights seed; text seeds seed+1 .. seed+3
-    int base_tokens = 1000;
+    int base_tokens = 0;      ///< 0: sized to the model (scenarios::fit_to_model: 1000, fewer for a short context)
     int threads = 0;          ///< 0: OpenMP's default (one thread on a busy machine)
     bool ttft = true;
     bool context_shift = true;
@@ -31,6 +31,8 @@ struct options {
     int ga_n = 4;
     int ga_w = 128;
     float temperature = 0.8f;
+    float rope_base = 0.0f;   ///< --rope-base: RoPE frequency base of the model (0: the model's, 10000 for llama2.c)
+    float rope_scale = 0.0f;  ///< --rope-scale: linear position scaling (0: the model's, 1)
 };
 
 /// A bad command line; what() names the argument, the value given and what it must be.
@@ -44,7 +46,8 @@ inline const char* usage_text() noexcept {
     return "usage: kvcache_demo [--json FILE] [--seed N] [--base-tokens N] [--threads N]\n"
            "                    [--model llama2c.bin] [--tokenizer tokenizer.bin] [--save-model FILE]\n"
            "                    [--context-shift] [--self-extend] [--ttft] [--no-timing]\n"
-           "                    [--ctx N] [--n-keep N] [--n-gen N] [--ga-n N] [--ga-w N] [--temp T]\n";
+           "                    [--ctx N] [--n-keep N] [--n-gen N] [--ga-n N] [--ga-w N] [--temp T]\n"
+           "                    [--rope-base F] [--rope-scale F]\n";
 }
 
 /// Parses argv. -h / --help returns at once with help set. --ttft / --context-shift / --self-extend select only the runs they name.
@@ -74,6 +77,16 @@ inline options parse(int argc, const char* const* argv) {
                 throw cli_error(a + " = " + v + ": must be an integer in [" + to_string(lo) + ", " + to_string(hi) + "]");
             return n;
         };
+        // A finite float, >= 0 (positive: > 0).
+        auto real = [&](bool positive) -> float {
+            const std::string v = value();
+            char* end = nullptr;
+            const float t = std::strtof(v.c_str(), &end);
+            if (v.empty() || end == v.c_str() || *end != '\0' || !(t >= 0.0f) || !(t < 1e30f) ||
+                (positive && !(t > 0.0f)))
+                throw cli_error(a + " = " + v + (positive ? ": must be a finite number > 0" : ": must be a finite number >= 0"));
+            return t;
+        };
         if (a == "--json") o.json = value();
         else if (a == "--model") o.model = value();
         else if (a == "--tokenizer") o.tokenizer = value();
@@ -86,14 +99,9 @@ inline options parse(int argc, const char* const* argv) {
         else if (a == "--n-gen") o.n_gen = static_cast<int>(number(1, 1 << 20));
         else if (a == "--ga-n") o.ga_n = static_cast<int>(number(1, 64));
         else if (a == "--ga-w") o.ga_w = static_cast<int>(number(1, 1 << 20));
-        else if (a == "--temp") {
-            const std::string v = value();
-            char* end = nullptr;
-            const float t = std::strtof(v.c_str(), &end);
-            if (v.empty() || end == v.c_str() || *end != '\0' || !(t >= 0.0f) || !(t < 1e30f))
-                throw cli_error("--temp = " + v + ": must be a finite number >= 0");
-            o.temperature = t;
-        } else if (a == "--no-timing") o.timing = false;
+        else if (a == "--temp") o.temperature = real(false);
+        else if (a == "--rope-base") o.rope_base = real(true);
+        else if (a == "--rope-scale") o.rope_scale = real(true); else if (a == "--no-timing") o.timing = false;
         else if (a == "--ttft") select(o.ttft);
         else if (a == "--context-shift") select(o.context_shift);
         else if (a == "--self-extend") select(o.self_extend);

@@ -69,10 +69,21 @@ int main(int argc, char** argv) {
             std::printf("kvcache_demo: loading llama2.c checkpoint %s ...\n", o.model.c_str());
             w = demo::load_llama2c(o.model);
         }
+        // RoPE: llama2.c files carry none; --rope-base / --rope-scale set the model's (every other
+        // field of kvcache::rope_params keeps its default; set it in w.config.rope here).
+        if (o.rope_base > 0) w.config.rope.freq_base = o.rope_base;
+        if (o.rope_scale > 0) w.config.rope.freq_scale = o.rope_scale;
+        w.config.validate();
         if (!o.save_model.empty()) demo::save_llama2c(w, o.save_model);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "kvcache_demo: %s\n", e.what());
         return 1;
+    }
+    try {
+        demo::scenarios::fit_to_model(o, w.config);  // the base prompt sized to the model's context
+    } catch (const demo::cli::cli_error& e) {
+        std::fprintf(stderr, "kvcache_demo: %s\n", e.what());
+        return 2;
     }
     const auto& c = w.config;
     std::optional<demo::tokenizer> tok_storage;
@@ -84,15 +95,14 @@ int main(int argc, char** argv) {
         return 1;
     }
     const demo::tokenizer& tok = *tok_storage;
-    if (o.base_tokens > c.seq_len)
-        std::printf("note: the base prompt (%d tokens) is longer than the model's trained context (%d)\n",
-                    o.base_tokens, c.seq_len);
     char machine[160];
     std::snprintf(machine, sizeof machine, "%d OpenMP threads", n_threads);
-    std::printf("model: dim %d, hidden %d, %d layers, %d query heads / %d KV heads of %d, vocab %d, %.1fM parameters\n"
+    std::printf("model: dim %d, hidden %d, %d layers, %d query heads / %d KV heads of %d, vocab %d, context %d, "
+                "%.1fM parameters; RoPE base %g, scale %g\n"
                 "cache: f32 K/V, %zu bytes per token; %s; text seeds %llu..%llu (--seed)\n",
-                c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), c.vocab_size,
-                static_cast<double>(w.n_params()) / 1e6,
+                c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), c.vocab_size, c.seq_len,
+                static_cast<double>(w.n_params()) / 1e6, static_cast<double>(c.rope.freq_base),
+                static_cast<double>(c.rope.freq_scale),
                 demo::cache_shape_for(c, 1, 1).bytes_per_token(sizeof(float)), machine, static_cast<unsigned long long>(o.seed + 1),
                 static_cast<unsigned long long>(o.seed + 3));
 

@@ -18,6 +18,7 @@
 #include <map>               // position multisets
 #include <optional>          // expected ratios, planned positions
 #include <span>              // token ranges
+#include <stdexcept>         // std::logic_error
 #include <string>            // labels
 #include <utility>           // std::pair
 #include <vector>            // tokens, rows
@@ -25,6 +26,7 @@
 #include <kvcache/kvcache.hpp>
 
 #include "cli.hpp"
+#include "engine/compare.hpp"
 #include "engine/engine.hpp"
 #include "engine/kshift_check.hpp"
 #include "engine/sampler.hpp"
@@ -94,7 +96,7 @@ pos_t self_extend_step(Cache& cache, seq_id_t seq, kvcache::ops::self_extend_sta
     if (after != n_past) {
         kvcache::ops::apply_k_shift(cache);
         const k_shift_report r = check_k_shift(cache, seq, before);
-        worst.max_error = std::max(worst.max_error, r.max_error);
+        worst.max_error = nan_max(worst.max_error, r.max_error);
         worst.n_cells += r.n_cells;
         worst.n_moved += r.n_moved;
     }
@@ -171,6 +173,39 @@ chunk_report check_chunk_moves(const Cache& cache, seq_id_t seq, const std::vect
 
 // ---------------------------------------------------------------------------- helpers
 
+/// The most positions a TTFT scenario holds beyond the base prompt: the multi-turn chat's
+/// fourth turn (3 x (8 generated + 24 user) tokens more, then 7 more generated tokens evaluated).
+inline constexpr int ttft_extra_positions = 103;
+/// The base prompt when --base-tokens is not given: 1,000 tokens, fewer for a model whose
+/// trained context is shorter (stories260K, 512: 409 tokens).
+inline constexpr int default_base_tokens = 1000;
+
+/// Fits the runs to the model's trained context (cfg.seq_len): an unset --base-tokens becomes
+/// min(1000, seq_len - ttft_extra_positions); an explicit one that would take a TTFT scenario past
+/// seq_len, or a --ctx larger than seq_len, is refused with cli::cli_error naming the argument,
+/// its value and the limit. Self-Extend checks its own positions (run_self_extend).
+inline void fit_to_model(options& o, const demo::llama_config& cfg) {
+    using std::to_string;
+    const int max_base = cfg.seq_len - ttft_extra_positions;
+    if (o.ttft) {
+        if (max_base < 64)
+            throw cli::cli_error("the model's trained context is " + to_string(cfg.seq_len) +
+                                 " positions: the TTFT scenarios need at least " + to_string(64 + ttft_extra_positions) +
+                                 " (run --context-shift or --self-extend only)");
+        if (o.base_tokens == 0) {
+            o.base_tokens = std::min(default_base_tokens, max_base);
+        } else if (o.base_tokens > max_base) {
+            throw cli::cli_error("--base-tokens = " + to_string(o.base_tokens) + ": the TTFT scenarios hold up to " +
+                                 to_string(ttft_extra_positions) + " positions more, the model's trained context is " +
+                                 to_string(cfg.seq_len) + ": must be at most " + to_string(max_base));
+        }
+    }
+    if (o.base_tokens == 0) o.base_tokens = std::min(default_base_tokens, std::max(64, max_base));
+    if (o.context_shift && o.ctx > cfg.seq_len)
+        throw cli::cli_error("--ctx = " + to_string(o.ctx) + ": larger than the model's trained context " +
+                             to_string(cfg.seq_len));
+}
+
 /// The demo's default model: a Llama of a realistic small shape with deterministic random weights.
 inline demo::llama_config default_config() {
     demo::llama_config c;
@@ -239,15 +274,16 @@ class verifier {
 public:
     verifier(const demo::llama_weights& w, std::uint32_t n_cells) : engine_(w), cache_(engine_.cache_shape(n_cells, 1)) {}
 
-    /// Cold logits of `prompt` against `got`: max |diff| and argmax agreement.
-    std::pair<double, bool> compare(const std::vector<token_t>& prompt, const std::vector<float>& got) {
+    /// Cold logits of `prompt` against `got` (vocab floats): max |diff| and argmax agreement;
+    /// a NaN or infinity on either side is a mismatch (demo::compare_logits).
+    demo::logits_comparison compare(const std::vector<token_t>& prompt, const std::vector<float>& got) {
         cache_.clear();
         std::vector<float> want;
         engine_.eval(cache_, prompt, 0, 0, want);
-        double diff = 0;
-        for (std::size_t i = 0; i < want.size(); ++i)
-            diff = std::max(diff, std::abs(static_cast<double>(got[i]) - want[i]));
-        return {diff, demo::argmax(got.data(), got.size()) == demo::argmax(want.data(), want.size())};
+        if (got.size() != want.size())
+            throw demo::model_error("verifier: " + std::to_string(got.size()) + " logits, the model has " +
+                                    std::to_string(want.size()));
+        return demo::compare_logits(got.data(), want.data(), want.size());
     }
 
 private:
@@ -257,6 +293,14 @@ private:
 
 /// Max |logits difference| a cached request may show against its cold recomputation.
 inline constexpr double logits_tol = 1e-4;
+
+/// The logits column of a row: "2.0e-06 same", "3.1e-01 ARGMAX!", or "NaN/inf logits".
+[[nodiscard]] inline std::string logits_label(const demo::logits_comparison& c) {
+    if (!c.finite) return "NaN/inf logits";
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "%.1e %s", c.max_abs_diff, c.argmax_same ? "same" : "ARGMAX!");
+    return buf;
+}
 
 /// The TTFT scenarios, each on a fresh server_cache through the slots and the global prompt
 /// cache; every request is a row (timing against the scenario's cold round, logits against a
@@ -302,6 +346,12 @@ private:
                          const std::vector<token_t>& prompt, std::optional<double> expected, bool verify,
                          int n_generate = 1, bool cache_prompt = true,
                          std::optional<double> expected_min = std::nullopt) {
+        // fit_to_model sized the base prompt: no request may reach past the trained context.
+        const std::size_t last_pos = prompt.size() + static_cast<std::size_t>(n_generate - 1);
+        if (last_pos > static_cast<std::size_t>(engine_.config().seq_len))
+            throw std::logic_error("ttft_runner: " + scenario + " round " + std::to_string(round) + " holds " +
+                                   std::to_string(last_pos) + " positions, the model's trained context is " +
+                                   std::to_string(engine_.config().seq_len) + " (ttft_extra_positions too small)");
         demo::sampler greedy(0.0f, 0);
         kvcache::request_options ro;
         ro.cache_prompt = cache_prompt;
@@ -317,16 +367,15 @@ private:
         x.ratio = r.ttft_ms / cold_ms_;
         x.expected_max = expected;
         if (verify) {
-            const auto [diff, same] = verify_.compare(prompt, r.logits);
-            x.max_abs_diff = diff;
-            x.argmax_match = same;
-            x.check_ok = diff <= logits_tol && same;
-            char buf[64];
-            std::snprintf(buf, sizeof buf, "%.1e %s", diff, same ? "same" : "ARGMAX!");
-            x.check = buf;
+            const demo::logits_comparison c = verify_.compare(prompt, r.logits);
+            x.max_abs_diff = c.max_abs_diff;
+            x.argmax_match = c.argmax_same;
+            x.check_ok = c.ok(logits_tol);
+            x.check = logits_label(c);
             if (!x.check_ok)
-                std::fprintf(stderr, "LOGITS CHECK FAILED: %s round %d: max |diff| = %.3e (tol %.0e), argmax %s\n",
-                             scenario.c_str(), round, diff, logits_tol, same ? "same" : "differs");
+                std::fprintf(stderr, "LOGITS CHECK FAILED: %s round %d: max |diff| = %.3e (tol %.0e), argmax %s%s\n",
+                             scenario.c_str(), round, c.max_abs_diff, logits_tol, c.argmax_same ? "same" : "differs",
+                             c.finite ? "" : ", NON-FINITE logits");
         }
         x.expected_min = expected_min;
         x.pass = x.check_ok && (!opt_.timing || ((!expected || x.ratio <= *expected) &&
@@ -448,19 +497,22 @@ private:
         const double worst = cr.kshift.max_error;
         // The moved block's K/V were computed after the old turn, so (as in llama-server's
         // --cache-reuse) the logits approximate a cold run; report the difference.
-        const auto [diff, same] = verify_.compare(second, r.logits);
+        const demo::logits_comparison c = verify_.compare(second, r.logits);
         char buf[96];
-        std::snprintf(buf, sizeof buf, "kshift %.0e; approx %.1e%s", worst, diff, same ? "" : " (argmax differs)");
+        std::snprintf(buf, sizeof buf, "kshift %.0e; approx %.1e%s", worst, c.max_abs_diff,
+                      !c.finite ? " (NaN/inf logits)" : c.argmax_same ? "" : " (argmax differs)");
         x.check = buf;
-        x.max_abs_diff = diff;
-        x.argmax_match = same;
-        x.check_ok = moved && r.metrics.from_shift >= 32;
+        x.max_abs_diff = c.max_abs_diff;
+        x.argmax_match = c.argmax_same;
+        // An approximation may differ, but never be NaN.
+        x.check_ok = moved && r.metrics.from_shift >= 32 && c.finite;
         if (!x.check_ok)
             std::fprintf(stderr,
                          "CHUNK REUSE CHECK FAILED: %zu of %zu snapshotted cells moved (%zu checked, positions %s, "
-                         "tokens %s), K-shift error %.3e, %u tokens shifted (plan: %u)\n",
+                         "tokens %s), K-shift error %.3e, %u tokens shifted (plan: %u)%s\n",
                          cr.n_moved, before.size(), cr.n_kept, cr.positions_ok ? "ok" : "WRONG",
-                         cr.tokens_ok ? "ok" : "WRONG", worst, r.metrics.from_shift, r.plan.n_shifted());
+                         cr.tokens_ok ? "ok" : "WRONG", worst, r.metrics.from_shift, r.plan.n_shifted(),
+                         c.finite ? "" : ", NON-FINITE logits");
         x.pass = x.pass && x.check_ok;
     }
 
@@ -605,7 +657,12 @@ inline check_result run_self_extend(const demo::llama_weights& w, const demo::to
     for (float v : logits) finite = finite && std::isfinite(v);
     const pos_t max_pos = cache.seq_pos_max(0);
     const bool kshift_ok = worst.max_error <= kshift_tol && worst.n_moved > 0;
-    const bool pass = positions_ok && n_past_ok && finite && kshift_ok;
+    // Self-Extend exists to keep positions inside the trained context.
+    const bool in_context = max_pos < w.config.seq_len;
+    if (!in_context)
+        std::printf("  positions reach %d, beyond the model's trained context %d: use a smaller --ga-w\n", max_pos,
+                    w.config.seq_len);
+    const bool pass = positions_ok && n_past_ok && finite && kshift_ok && in_context;
     std::printf("  %d tokens now span positions [0, %d] (ga_i %d): grouped by %d below %d, shifted by %d above; "
                 "positions match the formula: %s; n_past %d: %s;\n  K-shift after seq_add/seq_div vs direct RoPE "
                 "at the new positions: max error %.1e over %zu cell moves (%.0f ms)\n  Self-Extend: %s\n",

@@ -61,8 +61,8 @@ inline std::vector<vec> forward_all(const demo::llama_weights& w, const std::vec
             q[t] = matvec(lw.wq, d, d, xn);
             k[t] = matvec(lw.wk, kv, d, xn);
             v[t] = matvec(lw.wv, kv, d, xn);
-            for (std::size_t h = 0; h < n_head; ++h) rope(q[t].data() + h * hd, hd, pos[t], cfg.rope_base);
-            for (std::size_t h = 0; h < kv / hd; ++h) rope(k[t].data() + h * hd, hd, pos[t], cfg.rope_base);
+            for (std::size_t h = 0; h < n_head; ++h) rope(q[t].data() + h * hd, hd, pos[t], cfg.rope.freq_base);
+            for (std::size_t h = 0; h < kv / hd; ++h) rope(k[t].data() + h * hd, hd, pos[t], cfg.rope.freq_base);
         }
         for (std::size_t t = 0; t < n; ++t) {
             vec att(d, 0.0);

@@ -23,7 +23,9 @@ TEST_CASE("cli: defaults are the README's demo") {
     CHECK(o.json.empty());
     CHECK(o.model.empty());
     CHECK(o.seed == 42);
-    CHECK(o.base_tokens == 1000);
+    CHECK(o.base_tokens == 0);  // sized to the model by scenarios::fit_to_model
+    CHECK(o.rope_base == 0.0f);
+    CHECK(o.rope_scale == 0.0f);
     CHECK(o.threads == 0);
     CHECK(o.ttft);
     CHECK(o.context_shift);
@@ -41,7 +43,8 @@ TEST_CASE("cli: defaults are the README's demo") {
 TEST_CASE("cli: every option and the run selection") {
     const auto o = parse({"--json", "r.json", "--model", "m.bin", "--tokenizer", "t.bin", "--save-model", "s.bin",
                           "--seed", "7", "--base-tokens", "160", "--threads", "1", "--ctx", "128", "--n-keep", "16",
-                          "--n-gen", "160", "--ga-n", "2", "--ga-w", "64", "--temp", "0", "--no-timing"});
+                          "--n-gen", "160", "--ga-n", "2", "--ga-w", "64", "--temp", "0", "--no-timing",
+                          "--rope-base", "500000", "--rope-scale", "0.25"});
     CHECK(o.json == "r.json");
     CHECK(o.model == "m.bin");
     CHECK(o.tokenizer == "t.bin");
@@ -55,6 +58,8 @@ TEST_CASE("cli: every option and the run selection") {
     CHECK(o.ga_n == 2);
     CHECK(o.ga_w == 64);
     CHECK(o.temperature == 0.0f);
+    CHECK(o.rope_base == 500000.0f);
+    CHECK(o.rope_scale == 0.25f);
     CHECK_FALSE(o.timing);
     CHECK(o.ttft);  // no selection: everything runs
 
@@ -93,6 +98,10 @@ TEST_CASE("cli: bad arguments name the argument, the value and the rule") {
     refused({"--temp", "nan"}, "--temp = nan");
     refused({"--temp", "inf"}, "--temp = inf");
     refused({"--temp", "0.5x"}, "--temp = 0.5x");
+    refused({"--rope-base", "0"}, "--rope-base = 0: must be a finite number > 0");
+    refused({"--rope-base", "nan"}, "--rope-base = nan: must be a finite number > 0");
+    refused({"--rope-scale", "-2"}, "--rope-scale = -2: must be a finite number > 0");
+    refused({"--rope-scale", "1e40"}, "--rope-scale = 1e40");
     refused({"--n-keep", "128"}, "--n-keep = 128: must be smaller than --ctx / 2 = 128");
     refused({"--ctx", "64", "--n-keep", "32"}, "--n-keep = 32: must be smaller than --ctx / 2 = 32");
     refused({"--ga-n", "3"}, "--ga-w = 128: must be a multiple of --ga-n = 3");

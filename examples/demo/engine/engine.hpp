@@ -36,7 +36,7 @@ inline kvcache::model_shape cache_shape_for(const llama_config& cfg, std::uint32
     s.n_head_kv = static_cast<std::uint32_t>(cfg.n_kv_heads);
     s.head_dim_k = static_cast<std::uint32_t>(cfg.head_dim());
     s.head_dim_v = s.head_dim_k;
-    s.rope = {kvcache::rope_type::normal, cfg.rope_base, 1.0f, 0};  // llama2.c pairs (2i, 2i+1)
+    s.rope = cfg.rope;  // every RoPE field of the model, unchanged
     s.n_cells = n_cells;
     s.n_seq_max = n_seq_max;
     return s;

@@ -11,6 +11,8 @@
 
 #include <kvcache/kvcache.hpp>
 
+#include "compare.hpp"
+
 namespace demo {
 
 /// One cell's position and K (every layer, n_layer x k_row_size floats) at snapshot time.
@@ -39,13 +41,14 @@ std::vector<k_snapshot> snapshot_k(const Cache& cache, kvcache::seq_id_t seq, kv
 
 /// Result of check_k_shift.
 struct k_shift_report {
-    double max_error = 0;       ///< max |K - RoPE(K_old, delta)| / (1 + |RoPE(K_old, delta)|)
+    double max_error = 0;       ///< max |K - RoPE(K_old, delta)| / (1 + |RoPE(K_old, delta)|); NaN if any K is NaN
     std::size_t n_cells = 0;    ///< snapshotted cells still holding seq
     std::size_t n_moved = 0;    ///< of those, cells whose position changed
 };
 
 /// Compares the snapshotted cells' K now with RoPE(old K, new pos - old pos). Call after the
-/// K-shift was applied (kvcache::ops::apply_k_shift or the engine's next eval).
+/// K-shift was applied (kvcache::ops::apply_k_shift or the engine's next eval). A NaN in
+/// either K makes max_error NaN, which fails every `max_error <= tol` check.
 template <class Cache>
 k_shift_report check_k_shift(const Cache& cache, kvcache::seq_id_t seq, const std::vector<k_snapshot>& before) {
     const auto& shape = cache.shape();
@@ -74,7 +77,7 @@ k_shift_report check_k_shift(const Cache& cache, kvcache::seq_id_t seq, const st
                     want[b] = x0 * std::sin(theta) + x1 * std::cos(theta);
                 }
                 for (std::uint32_t d = 0; d < hd; ++d)
-                    r.max_error = std::max(r.max_error, std::abs(k[h * hd + d] - want[d]) / (1.0 + std::abs(want[d])));
+                    r.max_error = nan_max(r.max_error, std::abs(k[h * hd + d] - want[d]) / (1.0 + std::abs(want[d])));
             }
         }
     }

@@ -153,7 +153,7 @@ inline void save_llama2c(const llama_weights& w, const std::filesystem::path& pa
     im.reserve(re.capacity());
     for (int p = 0; p < cfg.seq_len; ++p)
         for (int i = 0; i < hd / 2; ++i) {
-            const double theta = p * std::pow(static_cast<double>(cfg.rope_base), -2.0 * i / hd);
+            const double theta = p * std::pow(static_cast<double>(cfg.rope.freq_base), -2.0 * i / hd);
             re.push_back(static_cast<float>(std::cos(theta)));
             im.push_back(static_cast<float>(std::sin(theta)));
         }

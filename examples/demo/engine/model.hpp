@@ -12,6 +12,9 @@
 #include <string>     // messages
 #include <vector>     // weight storage
 
+#include <kvcache/error.hpp>        // kvcache::error (rope validation)
+#include <kvcache/model_shape.hpp>  // kvcache::rope_params
+
 namespace demo {
 
 /// Errors of the demo engine (bad model file, bad configuration).
@@ -21,6 +24,8 @@ public:
 };
 
 /// Llama hyper-parameters (the seven fields of a llama2.c header plus RoPE/norm constants).
+/// `rope` is the library's kvcache::rope_params, passed unchanged to the cache shape
+/// (cache_shape_for), so RoPE on Q and K and the K-shift use every field it has.
 struct llama_config {
     int dim = 0;         ///< model width (d_model)
     int hidden_dim = 0;  ///< SwiGLU inner width
@@ -30,7 +35,9 @@ struct llama_config {
     int vocab_size = 0;
     int seq_len = 0;     ///< context length the model was trained for
     bool shared_classifier = true;  ///< logits use the token embedding matrix
-    float rope_base = 10000.0f;
+    /// RoPE of Q and K. llama2.c checkpoints carry none: their default is pairs (2i, 2i+1), base
+    /// 10000, no scaling (llama2.c's export.py un-permutes Hugging Face's wq / wk to that pairing).
+    kvcache::rope_params rope{kvcache::rope_type::normal, 10000.0f, 1.0f, 0};
     float norm_eps = 1e-5f;
 
     [[nodiscard]] int head_dim() const noexcept { return n_heads > 0 ? dim / n_heads : 0; }
@@ -52,6 +59,18 @@ struct llama_config {
         if (n_heads % n_kv_heads != 0) bad("n_kv_heads", n_kv_heads, "must divide n_heads");
         if (vocab_size <= 0 || vocab_size > (1 << 24)) bad("vocab_size", vocab_size, "must be in [1, 2^24]");
         if (seq_len <= 0 || seq_len > (1 << 24)) bad("seq_len", seq_len, "must be in [1, 2^24]");
+        // RoPE: the library's own validation of every rope_params field, against this head size.
+        kvcache::model_shape s;
+        s.n_layer = static_cast<std::uint32_t>(n_layers);
+        s.n_head_kv = static_cast<std::uint32_t>(n_kv_heads);
+        s.head_dim_k = static_cast<std::uint32_t>(head_dim());
+        s.rope = rope;
+        s.n_cells = 1;
+        try {
+            s.validate();
+        } catch (const kvcache::error& e) {
+            throw model_error(std::string("model config: ") + e.what());
+        }
     }
 };
 
