@@ -11,6 +11,10 @@
 KVCACHE_BEGIN_NAMESPACE
 
 /// Stores K/V as bfloat16, converted with round-to-nearest-even (AVX2/AVX-512 when enabled).
+/// Out of range: bf16 has f32's exponent range, so nothing finite overflows but the last
+/// half ulp: |x| >= 0x1.ff0p127 (~3.3961e38, the midpoint above the largest finite bf16,
+/// ~3.3895e38) rounds to +-inf (IEEE round-to-nearest). Subnormals are kept (rounded, not
+/// flushed); inf stays inf; NaN stays NaN (quietened). Precision: 8 significant bits.
 struct bf16 {
     using policy_kind = element_tag;
     using storage_type = bfloat16;

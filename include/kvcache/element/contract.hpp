@@ -11,6 +11,12 @@
 // kernels convert tile rows through E::to_float / E::from_float into small f32
 // scratch (the generic path): chosen at compile time, so the built-in elements keep
 // their code.
+//
+// Values out of an element's range: f32 stores every float; f16 rounds |x| >= 65520 to
+// inf (IEEE round-to-nearest); bf16 only the last half ulp of the f32 range (see each
+// header). A custom element decides in its own from_float and should document it the
+// same way: the kernels read back whatever it stores (an inf or NaN it stores makes the
+// attention rows that see the cell NaN or inf, never a silent finite value).
 #pragma once
 
 #include <type_traits>  // std::is_same_v

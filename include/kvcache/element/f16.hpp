@@ -11,6 +11,13 @@
 KVCACHE_BEGIN_NAMESPACE
 
 /// Stores K/V as binary16, converted with round-to-nearest-even (F16C/AVX-512 when enabled).
+/// Out of range (same bits on every path: scalar, F16C, AVX-512):
+/// - |x| >= 65520 (the midpoint above the largest finite half, 65504) becomes +-inf, as
+///   IEEE 754 round-to-nearest requires: `write_k` of 1e6 stores inf, and attention over
+///   it then gives NaN or inf outputs (ops::attention), never a silently clamped value.
+///   Scale activations before storing if they can exceed 65504.
+/// - |x| < 2^-25 becomes +-0; [2^-25, 2^-14) becomes a subnormal half (rounded).
+/// - inf stays inf; NaN stays NaN (quietened, payload truncated).
 struct f16 {
     using policy_kind = element_tag;
     using storage_type = half;

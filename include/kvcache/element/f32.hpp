@@ -10,7 +10,7 @@
 
 KVCACHE_BEGIN_NAMESPACE
 
-/// Stores K/V as IEEE binary32.
+/// Stores K/V as IEEE binary32: every float as is (no overflow; inf and NaN kept bit for bit).
 struct f32 {
     using policy_kind = element_tag;
     using storage_type = float;

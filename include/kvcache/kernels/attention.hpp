@@ -180,18 +180,26 @@ class attention_kernel {
     static constexpr std::size_t L = simd::lanes;
     static constexpr std::size_t B = k_tile / L;  // sub-batches per tile
     // Independent FMA chains in the score loop: at least 8 (latency x pipes) when M is small.
-    static constexpr std::size_t KC = M >= 8 ? 1 : 8 / M;
+    // 16-register targets (AVX2, 8-lane vectors, B = 4) keep 8 score accumulators
+    // (latency 4 x 2 FMA pipes) and at most 11 live registers per step: slot groups of
+    // SG <= 4 over CB = 8 / SG sub-batches of the tile per pass (M >= 4: half a tile, two
+    // K rows converted, four broadcasts, eight FMAs). The 32-register shapes below (all
+    // B sub-batches per pass, 16 accumulators) spilled 8-16 accumulators per step there.
+    static constexpr bool narrow = L < 16;
+    static constexpr std::size_t SG = narrow ? (M > 4 ? 4 : M) : (M > 8 ? 8 : M);
+    static constexpr std::size_t CB = narrow ? (SG * B <= 8 ? B : 8 / SG) : B;
+    static_assert(B % CB == 0, "score passes must cover the tile");
+    static constexpr std::size_t KC = narrow ? (SG * CB >= 8 ? 1 : 8 / (SG * CB)) : (M >= 8 ? 1 : 8 / M);
     // V accumulation in groups of MG slots and VB d-blocks: MG x VB accumulators (16 for
     // M >= 4), each converted V vector feeds MG FMAs and each broadcast p feeds VB.
     // An FMA fed by its own broadcast ran at 0.71-0.78 cycles on Zen 5 against 0.53 when
     // one broadcast feeds 4 FMAs (bench/README.md, decode cycles), so VB >= 2
     // even for M = 16 (two groups of 8: each V vector is converted twice, but half as
     // many broadcasts are issued as with one group and VB = 1).
-    static constexpr std::size_t MG = M > 8 ? 8 : M;
-    static constexpr std::size_t VB = MG == 8 ? 2 : 4;
+    // 16 registers (AVX2): MG <= 4 slots x VB = 8 / MG vectors, 8 accumulators.
+    static constexpr std::size_t MG = narrow ? (M > 4 ? 4 : M) : (M > 8 ? 8 : M);
+    static constexpr std::size_t VB = narrow ? 8 / MG : (MG == 8 ? 2 : 4);
     static_assert(M % MG == 0, "slot count must be a multiple of the V group");
-    // Score slot groups of at most SG = 8 (see score_tile).
-    static constexpr std::size_t SG = M > 8 ? 8 : M;
     // The fused K/V loop (see fused_tile): up to 4 slots, 16-lane vectors.
     static constexpr bool can_fuse = M <= 4 && L == 16;
     static_assert(!can_fuse || v_block == 4 * L, "the fused loop's last-block switch assumes V blocks of 4 vectors");
@@ -221,19 +229,23 @@ public:
             float alpha[M];
             bool rescale = softmax_tile(mask, sc, alpha);
             for (;;) {
-                tile_mask mask2[M], any2 = 0;
+                tile_mask mask2[M] = {}, any2 = 0;  // (= {}: GCC 12 -O3 AVX2 warned maybe-uninitialized)
                 const bool more = next_tile(mask2, any2);
                 const std::uint32_t nxt = more ? t_++ : 0;
-                if (more && fuse && any == k_tile_full) {
+                // Cells some slots see and others do not: their V must not reach the others
+                // (p = 0 times a NaN V is NaN). Checked only for those cells, rarely any.
+                const tile_mask mixed = any & ~seen_by_all(mask);
+                if (more && fuse && any == k_tile_full && (mixed == 0 || !v_nonfinite(cur, mixed))) {
                     fused_tile(cur, alpha, rescale, nxt, sc);
                 } else {
-                    accumulate_tile(cur, any, alpha, rescale);
+                    accumulate_tile(cur, any, mixed, mask, alpha, rescale);
                     if (more) score_tile(nxt, sc);
                 }
                 if (!more) break;
                 rescale = softmax_tile(mask2, sc, alpha);
                 cur = nxt;
                 any = any2;
+                for (std::size_t s = 0; s < M; ++s) mask[s] = mask2[s];
             }
         }
         finalize();
@@ -362,13 +374,15 @@ private:
         const char* pfk = reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_));
         const char* pfv = reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
         const bool pf_v = !vt_;
-        for (std::size_t g = 0; g < M; g += SG) {
-            const bool pf_k = sh_.interleaved_prefetch && g == 0;
-            fbatch part[KC][SG][B];
+        for (std::size_t g = 0; g < M; g += SG)
+            for (std::size_t b0 = 0; b0 < B; b0 += CB) {  // (one pass when CB == B)
+            const bool pf_k = sh_.interleaved_prefetch && g == 0 && b0 == 0;
+            fbatch part[KC][SG][CB];
             for (std::size_t c = 0; c < KC; ++c)
                 for (std::size_t s = 0; s < SG; ++s)
-                    for (std::size_t b = 0; b < B; ++b) part[c][s][b] = fbatch(0.0f);
+                    for (std::size_t b = 0; b < CB; ++b) part[c][s][b] = fbatch(0.0f);
             const float* const qb = q_buf_ + g;
+            const S* const kb = kt + b0 * L;
             std::uint32_t d = 0;
             for (; d + KC <= dk; d += KC) {
                 if (pf_k) {
@@ -380,29 +394,29 @@ private:
                     }
                 }
                 for (std::size_t c = 0; c < KC; ++c) {
-                    fbatch krow[B];
-                    for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d + c} * k_tile + b * L);
+                    fbatch krow[CB];
+                    for (std::size_t b = 0; b < CB; ++b) krow[b] = simd::load(kb + std::size_t{d + c} * k_tile + b * L);
                     for (std::size_t s = 0; s < SG; ++s) {
                         const fbatch qd = simd::broadcast(qb + std::size_t{d + c} * M + s);
-                        for (std::size_t b = 0; b < B; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
+                        for (std::size_t b = 0; b < CB; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
                     }
                 }
             }
             for (; d < dk; ++d) {
-                fbatch krow[B];
-                for (std::size_t b = 0; b < B; ++b) krow[b] = simd::load(kt + std::size_t{d} * k_tile + b * L);
+                fbatch krow[CB];
+                for (std::size_t b = 0; b < CB; ++b) krow[b] = simd::load(kb + std::size_t{d} * k_tile + b * L);
                 for (std::size_t s = 0; s < SG; ++s) {
                     const fbatch qd = simd::broadcast(qb + std::size_t{d} * M + s);
-                    for (std::size_t b = 0; b < B; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
+                    for (std::size_t b = 0; b < CB; ++b) part[0][s][b] = xsimd::fma(qd, krow[b], part[0][s][b]);
                 }
             }
             for (std::size_t s = 0; s < SG; ++s)
-                for (std::size_t b = 0; b < B; ++b) {
+                for (std::size_t b = 0; b < CB; ++b) {
                     fbatch v = part[0][s][b];
                     for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
-                    sc[g + s][b] = v;
+                    sc[g + s][b0 + b] = v;
                 }
-        }
+            }
     }
 
     // ---- online softmax of one tile's scores; p_buf[s][j] = exp(logit - m) (0 where masked)
@@ -421,6 +435,11 @@ private:
             // rescale_margin, so most tiles skip the rescale; p <= e^8 cannot overflow.
             // The test is one vector compare per batch; the horizontal max is only
             // computed when the reference has to move.
+            // NaN: a NaN logit (NaN in q or K) is "above" (the compare is unordered), and
+            // the new max is then NaN, so every later p, l and acc of the slot are NaN
+            // (exp_bounded keeps NaN): the row's output is NaN, as in the scalar path. A
+            // +inf logit makes m = +inf and its p = exp(inf - inf) = NaN; a -inf logit
+            // gets p ~ 0. A NaN m stays NaN (thr is NaN: every tile is "above").
             const fbatch thr(st_.m[s] + rescale_margin);  // -inf while nothing was seen
             bool above = st_.m[s] == ninf;
             for (std::size_t b = 0; b < B; ++b) {
@@ -428,18 +447,20 @@ private:
                 if (sh_.softcap > 0.0f) x = fbatch(sh_.softcap) * xsimd::tanh(x / fbatch(sh_.softcap));
                 if (partial) x = xsimd::select(simd::lane_mask((mask[s] >> (b * L)) & ((1u << L) - 1u)), x, fbatch(ninf));
                 sc[s][b] = x;
-                above = above || xsimd::any(x > thr);
+                above = above || simd::any_above_or_nan(x, thr);
             }
             float m_new = st_.m[s];
             if (above) {
                 float tmax = ninf;
+                bool nan = st_.m[s] != st_.m[s];
                 for (std::size_t b = 0; b < B; ++b) {
                     const float mb = simd::hmax(sc[s][b]);
                     tmax = mb > tmax ? mb : tmax;
+                    nan = nan || simd::any_nan(sc[s][b]);
                 }
-                m_new = tmax;
+                m_new = nan ? std::numeric_limits<float>::quiet_NaN() : tmax;
             }
-            if (m_new != st_.m[s]) {
+            if (!(m_new == st_.m[s])) {  // (true when m_new is NaN)
                 alpha[s] = st_.m[s] == ninf ? 0.0f : std::exp(st_.m[s] - m_new);
                 rescale = true;
                 st_.m[s] = m_new;
@@ -456,7 +477,10 @@ private:
     }
 
     // ---- V: acc[s] = acc[s] * alpha[s] + sum_j p[s][j] * V[cell j] over the cells in `any`
-    void accumulate_tile(std::uint32_t tile, tile_mask any, const float* alpha, bool rescale) noexcept {
+    /// mixed: the cells of `any` that some active slot does not see; when one of them has
+    /// a NaN / inf in V, each slot sums its own cells only (accumulate_masked).
+    void accumulate_tile(std::uint32_t tile, tile_mask any, tile_mask mixed, const tile_mask* mask, const float* alpha,
+                         bool rescale) noexcept {
         const std::uint32_t dv = dv_;
         if (vt_) {
             // Transposed V: gather the visible cells' rows into row-major scratch.
@@ -467,12 +491,66 @@ private:
             }
         }
         const S* vtile = vt_ ? nullptr : v_rows(tile);
+        auto at_tile = [&kv = kv_](std::uint32_t j, std::uint32_t d) { return kv.v_in_tile(j, d); };
+        auto at_rows = [dv](std::uint32_t j, std::uint32_t d) { return std::size_t{j} * dv + d; };
+        if (mixed != 0) [[unlikely]] {
+            const bool bad = vt_ ? nonfinite(static_cast<const float*>(vt_buf_), at_rows, mixed)
+                                 : nonfinite(vtile, at_tile, mixed);
+            if (bad) {
+                if (vt_)
+                    accumulate_masked(static_cast<const float*>(vt_buf_), at_rows, mask, alpha, rescale);
+                else
+                    accumulate_masked(vtile, at_tile, mask, alpha, rescale);
+                return;
+            }
+        }
         if (!vt_)
-            accumulate(vtile, [&kv = kv_](std::uint32_t j, std::uint32_t d) { return kv.v_in_tile(j, d); }, any, alpha,
-                       rescale);
+            accumulate(vtile, at_tile, any, alpha, rescale);
         else
-            accumulate(static_cast<const float*>(vt_buf_),
-                       [dv](std::uint32_t j, std::uint32_t d) { return std::size_t{j} * dv + d; }, any, alpha, rescale);
+            accumulate(static_cast<const float*>(vt_buf_), at_rows, any, alpha, rescale);
+    }
+
+    /// The cells every active slot sees (all cells when no slot is active).
+    tile_mask seen_by_all(const tile_mask* mask) const noexcept {
+        tile_mask all = k_tile_full;
+        for (std::size_t s = 0; s < M; ++s)
+            if (slots_[s].active) all &= mask[s];
+        return all;
+    }
+
+    /// Whether V of some cell in `cells` of row-major tile `tile` holds a NaN or an inf.
+    bool v_nonfinite(std::uint32_t tile, tile_mask cells) const noexcept {
+        return nonfinite(v_rows(tile), [&kv = kv_](std::uint32_t j, std::uint32_t d) { return kv.v_in_tile(j, d); },
+                         cells);
+    }
+    template <class Src, class At>
+    bool nonfinite(const Src* src, At&& at, tile_mask cells) const noexcept {
+        fbatch z(0.0f);  // x * 0 is NaN exactly when x is NaN or inf
+        float zs = 0.0f;
+        for (tile_mask bits = cells; bits != 0; bits &= bits - 1) {
+            const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+            std::uint32_t d = 0;
+            for (; d + L <= dv_ && (d % v_block) + L <= v_block; d += L) z += simd::load(src + at(j, d)) * fbatch(0.0f);
+            for (; d < dv_; ++d) zs += simd::to_float(src[at(j, d)]) * 0.0f;
+        }
+        return simd::any_nan(z) || zs != zs;
+    }
+
+    /// The V update, each slot over its own visible cells only (a cell a slot does not see
+    /// never reaches it, whatever its V holds). Scalar: taken only when such a cell's V
+    /// holds a NaN or an inf.
+    template <class Src, class At>
+    void accumulate_masked(const Src* src, At&& at, const tile_mask* mask, const float* alpha, bool rescale) noexcept {
+        for (std::size_t s = 0; s < M; ++s)
+            for (std::uint32_t d = 0; d < dv_; ++d) {
+                float a = st_.acc[s * dv_ + d];
+                if (rescale) a *= alpha[s];
+                for (tile_mask bits = mask[s]; bits != 0; bits &= bits - 1) {
+                    const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                    a += p_buf_[s * k_tile + j] * simd::to_float(src[at(j, d)]);
+                }
+                st_.acc[s * dv_ + d] = a;
+            }
     }
 
     /// The V update of accumulate_tile on one tile's rows: element (cell j, dimension d)

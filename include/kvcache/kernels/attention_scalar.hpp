@@ -7,6 +7,9 @@
 // (`seqs.test(c, s)`, as for the SIMD kernel's attn_meta): no cache or cell type.
 // Elements without SIMD storage (element/contract.hpp) convert each value with
 // Element::to_float.
+// Non-finite values follow IEEE arithmetic as the SIMD kernel does: a NaN logit (NaN in
+// q or K) or a +inf one makes the row NaN, a -inf logit weighs 0, a NaN in V reaches the
+// rows that see the cell; a row that sees no cell is zeros.
 #pragma once
 
 #include <cmath>    // std::sqrt, std::exp, std::tanh
@@ -63,11 +66,13 @@ void attention_scalar(const kv_layer_view<const typename Element::storage_type>&
             const std::uint32_t h = g / group;
             const float* qr = a.q + (std::size_t{i} * a.n_head + g) * dk;
             float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+            bool seen = false;  // some cell visible (else the row is zeros)
             for (std::uint32_t d = 0; d < dv; ++d) acc[d] = 0.0f;
             for (std::uint32_t c = 0; c < a.n; ++c) {
                 const pos_t pc = a.cell_pos[c];
                 if (pc < 0 || !a.cell_seqs.test(c, a.q_seq[i]) || pc > a.q_pos[i]) continue;
                 if (a.window > 0 && std::int64_t{pc} <= std::int64_t{a.q_pos[i]} - a.window) continue;
+                seen = true;
                 float sc = 0.0f;
                 for (std::uint32_t d = 0; d < dk; ++d) sc += qr[d] * element_value<Element>(v.k[v.k_offset(h, c, d)]);
                 sc *= a.scale;
@@ -80,7 +85,8 @@ void attention_scalar(const kv_layer_view<const typename Element::storage_type>&
                 m = nm;
             }
             float* o = a.out + (std::size_t{i} * a.n_head + g) * dv;
-            for (std::uint32_t d = 0; d < dv; ++d) o[d] = l > 0.0f ? acc[d] / l : 0.0f;
+            // (A NaN logit makes w, then l and acc, NaN: the row is NaN, as in the SIMD kernel.)
+            for (std::uint32_t d = 0; d < dv; ++d) o[d] = seen ? acc[d] / l : 0.0f;
         }
     }
 }

@@ -45,6 +45,12 @@ inline fbatch load(const bfloat16* p) noexcept {
         return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     }
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+#endif
     alignas(64) float tmp[lanes];
     bf16_to_f32(p, tmp, lanes);
     return fbatch::load_aligned(tmp);
@@ -81,12 +87,33 @@ inline void store(half* p, const fbatch& v) noexcept {
         return;
     }
 #endif
+#if defined(__F16C__) && defined(__AVX__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        return;
+    }
+#endif
     alignas(64) float tmp[lanes];
     v.store_aligned(tmp);
     f32_to_f16(tmp, p, lanes);
 }
 
 inline void store(bfloat16* p, const fbatch& v) noexcept {
+    // Integer rounding to nearest even, NaN quietened (as scalar::f32_to_bf16).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+        const __m256i x = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+        const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+                                               _mm256_set1_epi32(0x7f800000));
+        const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(x, _mm256_set1_epi32(0x00400000)), nan);
+        const __m256i hi = _mm256_srli_epi32(r, 16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                         _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
+        return;
+    }
+#endif
     alignas(64) float tmp[lanes];
     v.store_aligned(tmp);
     f32_to_bf16(tmp, p, lanes);
@@ -108,18 +135,27 @@ inline xsimd::batch_bool<float> lane_mask(std::uint32_t bits) noexcept {
 #if defined(__AVX512F__)
     if constexpr (lanes == 16) return xsimd::batch_bool<float>(static_cast<__mmask16>(bits));
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) {  // lane j: all ones when bit j is set (no trip through memory)
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const __m256i b = _mm256_and_si256(_mm256_set1_epi32(static_cast<std::int32_t>(bits)), sel);
+        return xsimd::batch_bool<float>(_mm256_castsi256_ps(_mm256_cmpeq_epi32(b, sel)));
+    }
+#endif
     alignas(64) bool b[lanes];
     for (std::size_t j = 0; j < lanes; ++j) b[j] = ((bits >> j) & 1u) != 0;
     return xsimd::batch_bool<float>::load_aligned(b);
 }
 
-/// exp(x) for x <= 80 (including -inf), relative error ~2e-7: 2^(x log2 e) split into
+/// exp(x) for x <= 80 (including -inf; NaN gives NaN), relative error ~2e-7: 2^(x log2 e) split into
 /// 2^n (exponent bits) times a degree-6 polynomial for 2^f, f in [-1/2, 1/2]. Arguments
 /// below -87 give about 2^-126 instead of a subnormal or 0; callers mask lanes that
 /// must be exactly 0. Cheaper than a general exp: no overflow or NaN handling needed.
 inline fbatch exp_bounded(const fbatch& x) noexcept {
     using ibatch = xsimd::batch<std::int32_t>;
-    const fbatch t = xsimd::max(x * fbatch(1.44269504088896341f), fbatch(-126.0f));
+    // max(-126, t) in this operand order returns t when t is NaN (x86 MAXPS returns its
+    // second operand when either is NaN): a NaN logit, or the NaN of inf - inf, stays NaN.
+    const fbatch t = xsimd::max(fbatch(-126.0f), x * fbatch(1.44269504088896341f));
     const fbatch n = xsimd::nearbyint(t);
     const fbatch f = t - n;
     fbatch p(1.5403530393381610e-4f);  // ln(2)^k / k!, k = 6 .. 0
@@ -166,10 +202,46 @@ inline void transpose16(__m512 (&r)[16]) noexcept {
 }
 #endif
 
-/// Largest lane.
+/// True when some lane of x is above thr or either is NaN (`!(x <= thr)`, one compare:
+/// the online softmax's "max moved" test, which must also catch NaN logits).
+inline bool any_above_or_nan(const fbatch& x, const fbatch& thr) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (lanes == 16) return _mm512_cmp_ps_mask(x, thr, _CMP_NLE_UQ) != 0;
+#endif
+#if defined(__AVX__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) return _mm256_movemask_ps(_mm256_cmp_ps(x, thr, _CMP_NLE_UQ)) != 0;
+#endif
+    return xsimd::any(!(x <= thr));
+}
+
+/// True when some lane is NaN. (Not `x != x`: xsimd compiles != to the ordered
+/// compare _CMP_NEQ_OQ on AVX / AVX-512, which is false for NaN.)
+inline bool any_nan(const fbatch& x) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (lanes == 16) return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0;
+#endif
+#if defined(__AVX__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0;
+#endif
+    alignas(64) float t[lanes];
+    x.store_aligned(t);
+    bool nan = false;
+    for (std::size_t j = 0; j < lanes; ++j) nan = nan || t[j] != t[j];
+    return nan;
+}
+
+/// Largest lane (NaN lanes may or may not be seen: test any_nan first where it matters).
 inline float hmax(const fbatch& v) noexcept {
 #if defined(__AVX512F__)
     if constexpr (lanes == 16) return _mm512_reduce_max_ps(v);
+#endif
+#if defined(__AVX__) && !defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        return _mm_cvtss_f32(m);
+    }
 #endif
     alignas(64) float t[lanes];
     v.store_aligned(t);

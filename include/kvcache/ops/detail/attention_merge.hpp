@@ -30,16 +30,16 @@ inline void merge_slot(const float* partial, std::size_t n_split, std::uint32_t 
     for (std::size_t k = 0; k < n_split; ++k) mx = std::max(mx, partial[((hg * n_split + k) * M + s) * (dv + 2)]);
     float l = 0.0f;
     for (std::uint32_t d = 0; d < dv; ++d) o[d] = 0.0f;
-    if (mx != ninf) {
-        for (std::size_t k = 0; k < n_split; ++k) {
-            const float* part = partial + ((hg * n_split + k) * M + s) * (dv + 2);
-            if (part[1] == 0.0f) continue;
-            const float w = std::exp(part[0] - mx);
-            l += part[1] * w;
-            for (std::uint32_t d = 0; d < dv; ++d) o[d] += part[2 + d] * w;
-        }
+    // (No test of mx: a part with l != 0 has a finite m, or a NaN state that must stay NaN.)
+    static_cast<void>(ninf);
+    for (std::size_t k = 0; k < n_split; ++k) {
+        const float* part = partial + ((hg * n_split + k) * M + s) * (dv + 2);
+        if (part[1] == 0.0f) continue;
+        const float w = std::exp(part[0] - mx);
+        l += part[1] * w;
+        for (std::uint32_t d = 0; d < dv; ++d) o[d] += part[2 + d] * w;
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // (NaN l: NaN row)
     for (std::uint32_t d = 0; d < dv; ++d) o[d] *= inv;
 }
 
@@ -55,7 +55,7 @@ inline void finish_item(const kernels::attn_state<M>& st, const float* acc, std:
         for (std::size_t s = 0; s < M; ++s) {
             float* o = out_rows[s];
             if (o == nullptr) continue;
-            const float inv = st.l[s] > 0.0f ? 1.0f / st.l[s] : 0.0f;
+            const float inv = st.l[s] == 0.0f ? 0.0f : 1.0f / st.l[s];  // (NaN l: NaN row)
             for (std::uint32_t d = 0; d < dv; ++d) o[d] = acc[s * dv + d] * inv;
         }
     } else {
