@@ -77,7 +77,7 @@ void build(Cache& cache, const multi_cfg& c, std::uint32_t seed) {
             cache.write_k(l, pl.cells, k.data());
             cache.write_v(l, pl.cells, v.data());
         }
-        REQUIRE(cache.commit());
+        static_cast<void>(cache.commit());
         return true;
     };
     for (std::uint32_t done = 0; done < c.prefix;) {
