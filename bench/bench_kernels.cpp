@@ -4,6 +4,9 @@
 // Names: attn_decode/<type>/n_kv:<cells>/threads:<t>, attn_decode/<type>/n_kv:<cells>/hkv:2/threads:<t>
 // (split-K), attn_decode_prefetch/<none|burst|interleaved>/<type>/n_kv:16384/threads:<t>,
 // attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
+// attn_decode_multi/<type>/n_seq:16/n_kv:2048/<contiguous|paged>/threads:<t> and
+// attn_mixed/<type>/prefill:512/decode:15/<contiguous|paged>/threads:<t> (one call with many
+// sequences against one call per sequence, same run: counter vs_separate),
 // membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
 // membw_kv_compute/<blocked|together>/threads:<t> (the two streams with decode's FMAs per
 // byte, read one after the other or together),
@@ -19,6 +22,7 @@
 #include <benchmark/benchmark.h>
 
 #include <kvcache/kvcache.hpp>
+#include <kvcache/layout/paged.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -348,6 +352,167 @@ void attn_prefill(benchmark::State& state, std::uint32_t n_q, int threads, kvcac
            threads);
 }
 
+// ---------------------------------------------------------------- many sequences per call (issue 26)
+
+// A cache (Layout) holding sequence s at positions [0, cells[s]) in one run of cells per
+// sequence (sequence 0 first), every layer's K and V random (a small pattern, copied).
+template <class E, class Layout>
+std::unique_ptr<kvcache::kv_cache<E, Layout>> make_multi_cache(const std::vector<std::uint32_t>& cells,
+                                                               std::uint32_t n_layer) {
+    kvcache::model_shape s;
+    s.n_layer = n_layer;
+    s.n_head_kv = n_head_kv_default;
+    s.head_dim_k = head_dim;
+    std::uint32_t total = 0;
+    for (auto c : cells) total += (c + 255) / 256 * 256;
+    s.n_cells = total;
+    s.n_seq_max = static_cast<std::uint32_t>(cells.size());
+    auto cache = std::make_unique<kvcache::kv_cache<E, Layout>>(s);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    constexpr std::uint32_t chunk = 256;
+    std::vector<float> pat(std::size_t{chunk} * s.k_row_size() + 4096);
+    for (auto& x : pat) x = nd(rng);
+    for (std::size_t sq = 0; sq < cells.size(); ++sq)
+        for (std::uint32_t p0 = 0; p0 < cells[sq]; p0 += chunk) {
+            const std::uint32_t n = std::min(chunk, cells[sq] - p0);
+            std::vector<pos_t> pos(n);
+            std::iota(pos.begin(), pos.end(), static_cast<pos_t>(p0));
+            std::vector<seq_id_t> seq(n, static_cast<seq_id_t>(sq));
+            const auto pl = cache->place(pos, seq).value();
+            for (std::uint32_t l = 0; l < n_layer; ++l) {
+                const float* src = pat.data() + (l * 61u + sq * 17u + p0 / chunk) % 4096;
+                cache->write_k(l, pl.cells, src);
+                cache->write_v(l, pl.cells, src);
+            }
+            static_cast<void>(cache->commit());
+        }
+    return cache;
+}
+
+// One call holding every row against one call per sequence, on the same cache, in the
+// same run: `multi` and `separate` alternate (their order flips every iteration), each
+// on the next layer (cold K/V). Counters: vs_separate = time of the separate calls /
+// time of the one call; GBps (K/V bytes the rows' sequences hold / time of the one
+// call); ms_multi, ms_separate. rows_of(s): the rows of sequence s (q positions).
+template <class E, class Layout>
+void attn_multi_vs_separate(benchmark::State& state, const std::vector<std::uint32_t>& cells,
+                            const std::vector<std::vector<pos_t>>& rows_of, int threads, double fmas) {
+    using T = typename E::storage_type;
+    std::size_t seq_bytes = 0;
+    for (auto c : cells) seq_bytes += std::size_t{c} * n_head_kv_default * head_dim * 2 * sizeof(T);
+    const std::uint32_t n_layer = cold_layers(seq_bytes);
+    const auto cache = make_multi_cache<E, Layout>(cells, n_layer);
+    std::vector<pos_t> qp;
+    std::vector<seq_id_t> qs;
+    std::vector<std::uint32_t> first;  // sequence s's rows: [first[s], first[s+1])
+    for (std::size_t sq = 0; sq < rows_of.size(); ++sq) {
+        first.push_back(static_cast<std::uint32_t>(qp.size()));
+        for (pos_t p : rows_of[sq]) {
+            qp.push_back(p);
+            qs.push_back(static_cast<seq_id_t>(sq));
+        }
+    }
+    first.push_back(static_cast<std::uint32_t>(qp.size()));
+    const auto n_q = static_cast<std::uint32_t>(qp.size());
+    const auto q = random_q(std::size_t{n_q} * n_head * head_dim);
+    std::vector<float> out(q.size()), out_sep(q.size());
+    kvcache::ops::attention_params p;
+    p.n_head = n_head;
+    p.n_threads = threads;
+    kvcache::ops::attention_workspace ws;
+    auto one_call = [&](std::uint32_t layer) {
+        kvcache::ops::attention(*cache, layer, q.data(), qp.data(), qs.data(), n_q, p, out.data(), ws);
+    };
+    auto separate = [&](std::uint32_t layer) {
+        for (std::size_t sq = 0; sq + 1 < first.size(); ++sq) {
+            const std::uint32_t b = first[sq], e = first[sq + 1];
+            if (b == e) continue;
+            kvcache::ops::attention(*cache, layer, q.data() + std::size_t{b} * n_head * head_dim, qp.data() + b,
+                                    qs.data() + b, e - b, p, out_sep.data() + std::size_t{b} * n_head * head_dim, ws);
+        }
+    };
+    one_call(0);  // size the workspace
+    separate(0);
+    kernel_timer t_multi, t_sep;
+    std::uint32_t layer = 0;
+    bool multi_first = true;
+    for (auto _ : state) {
+        if (multi_first) {
+            t_multi.run([&] { one_call(layer); });
+            layer = layer + 1 == n_layer ? 0 : layer + 1;
+            t_sep.run([&] { separate(layer); });
+        } else {
+            t_sep.run([&] { separate(layer); });
+            layer = layer + 1 == n_layer ? 0 : layer + 1;
+            t_multi.run([&] { one_call(layer); });
+        }
+        layer = layer + 1 == n_layer ? 0 : layer + 1;
+        multi_first = !multi_first;
+        benchmark::DoNotOptimize(out.data());
+        benchmark::DoNotOptimize(out_sep.data());
+        benchmark::ClobberMemory();
+    }
+    // The two results agree bit for bit (deterministic mode): a wrong schedule shows here.
+    one_call(0);
+    separate(0);
+    if (std::memcmp(out.data(), out_sep.data(), out.size() * sizeof(float)) != 0)
+        state.SkipWithError("one call and separate calls differ");
+    const double iters = static_cast<double>(state.iterations());
+    const double tm = t_multi.total > 0.0 ? t_multi.total : 1e-30;
+    state.counters["threads"] = threads;
+    state.counters["vs_separate"] = t_sep.total / tm;
+    state.counters["ms_multi"] = tm / iters * 1e3;
+    state.counters["ms_separate"] = t_sep.total / iters * 1e3;
+    state.counters["GBps"] = static_cast<double>(seq_bytes) * iters / tm * 1e-9;
+    if (fmas > 0.0) state.counters["peak_frac"] = fmas * iters / tm / kb::measure_fma_peak(threads, true);
+}
+
+// attn_decode_multi: n_seq sequences of n_kv cells, one decode row each.
+template <class E, class Layout>
+void attn_decode_multi(benchmark::State& state, std::uint32_t n_seq, std::uint32_t n_kv, int threads) {
+    std::vector<std::uint32_t> cells(n_seq, n_kv);
+    std::vector<std::vector<pos_t>> rows(n_seq, std::vector<pos_t>{static_cast<pos_t>(n_kv)});
+    attn_multi_vs_separate<E, Layout>(state, cells, rows, threads, 0.0);
+}
+
+// attn_mixed: a prefill chunk of n_pre rows of sequence 0 (its K/V already written, as
+// a prefill step does before attention) next to one decode row of each of n_dec other
+// sequences of n_kv cells: continuous batching. peak_frac counts the chunk's unmasked
+// pairs and the decode rows' cells.
+template <class E, class Layout>
+void attn_mixed(benchmark::State& state, std::uint32_t n_pre, std::uint32_t n_dec, std::uint32_t n_kv, int threads) {
+    std::vector<std::uint32_t> cells(n_dec + 1, n_kv);
+    cells[0] = n_pre;
+    std::vector<std::vector<pos_t>> rows(n_dec + 1, std::vector<pos_t>{static_cast<pos_t>(n_kv)});
+    rows[0].resize(n_pre);
+    std::iota(rows[0].begin(), rows[0].end(), 0);
+    const double pairs = static_cast<double>(n_pre) * (n_pre + 1) / 2.0 + static_cast<double>(n_dec) * n_kv;
+    attn_multi_vs_separate<E, Layout>(state, cells, rows, threads, pairs * n_head * 2.0 * head_dim);
+}
+
+template <class E>
+void register_multi() {
+    const std::string t(E::name);
+    using contiguous = kvcache::contiguous<>;
+    using paged = kvcache::paged<>;
+    for (int th : {1, 2, 4, 8, 16}) {
+        const std::string ts = "/threads:" + std::to_string(th);
+        benchmark::RegisterBenchmark(("attn_decode_multi/" + t + "/n_seq:16/n_kv:2048/contiguous" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_decode_multi<E, contiguous>(st, 16, 2048, th); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark(("attn_decode_multi/" + t + "/n_seq:16/n_kv:2048/paged" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_decode_multi<E, paged>(st, 16, 2048, th); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark(("attn_mixed/" + t + "/prefill:512/decode:15/contiguous" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_mixed<E, contiguous>(st, 512, 15, 2048, th); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark(("attn_mixed/" + t + "/prefill:512/decode:15/paged" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_mixed<E, paged>(st, 512, 15, 2048, th); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+    }
+}
+
 // ---------------------------------------------------------------- K-shift
 
 template <class E>
@@ -438,6 +603,7 @@ const bool registered = [] {
                 ->UseRealTime()
                 ->Unit(benchmark::kMillisecond);
     register_type<kvcache::f16>();
+    register_multi<kvcache::f16>();
     register_type<kvcache::f32>();
     register_type<kvcache::bf16>();
     return true;

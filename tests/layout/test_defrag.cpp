@@ -46,8 +46,11 @@ void fragment(Cache& cache, kvtest::layout_model& model, std::mt19937& rng, int 
 }
 
 template <class Cache>
-std::vector<float> attention_all(const Cache& cache, std::uint32_t layer, const std::vector<float>& q,
+std::vector<float> attention_all(const Cache& cache_in, std::uint32_t layer, const std::vector<float>& q,
                                  ops::kernel_path path) {
+    // ops::attention refuses pending K-shifts (fragment() leaves some): on a copy, applied.
+    Cache cache = cache_in;
+    ops::apply_k_shift(cache);
     const auto n_seq = cache.shape().n_seq_max;
     std::vector<pos_t> qp(n_seq);
     std::vector<seq_id_t> qs(n_seq);

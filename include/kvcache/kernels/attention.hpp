@@ -172,7 +172,7 @@ struct in_place_tiles {};
 /// dv_ through the object as the lambda read them through its captures (local copies
 /// cost a register in the fused loop, which then reloaded its bound from the stack).
 /// Keep that in mind when editing: check the loops, not only the tests.
-template <std::size_t M, class T, class Seqs, class Conv = in_place_tiles>
+template <std::size_t M, class T, class Seqs, class Conv = in_place_tiles, bool FixedOrder = false>
 class attention_kernel {
     static constexpr bool in_place = std::is_same_v<Conv, in_place_tiles>;
     using S = std::conditional_t<in_place, T, float>;  // what the loads read
@@ -190,6 +190,8 @@ class attention_kernel {
     static constexpr std::size_t CB = narrow ? (SG * B <= 8 ? B : 8 / SG) : B;
     static_assert(B % CB == 0, "score passes must cover the tile");
     static constexpr std::size_t KC = narrow ? (SG * CB >= 8 ? 1 : 8 / (SG * CB)) : (M >= 8 ? 1 : 8 / M);
+    // FixedOrder (attend_item_fixed_order): one chain whatever M (see there).
+    static constexpr std::size_t KC_used = FixedOrder ? 1 : KC;
     // V accumulation in groups of MG slots and VB d-blocks: MG x VB accumulators (16 for
     // M >= 4), each converted V vector feeds MG FMAs and each broadcast p feeds VB.
     // An FMA fed by its own broadcast ran at 0.71-0.78 cycles on Zen 5 against 0.53 when
@@ -377,23 +379,23 @@ private:
         for (std::size_t g = 0; g < M; g += SG)
             for (std::size_t b0 = 0; b0 < B; b0 += CB) {  // (one pass when CB == B)
             const bool pf_k = sh_.interleaved_prefetch && g == 0 && b0 == 0;
-            fbatch part[KC][SG][CB];
-            for (std::size_t c = 0; c < KC; ++c)
+            fbatch part[KC_used][SG][CB];
+            for (std::size_t c = 0; c < KC_used; ++c)
                 for (std::size_t s = 0; s < SG; ++s)
                     for (std::size_t b = 0; b < CB; ++b) part[c][s][b] = fbatch(0.0f);
             const float* const qb = q_buf_ + g;
             const S* const kb = kt + b0 * L;
             std::uint32_t d = 0;
-            for (; d + KC <= dk; d += KC) {
+            for (; d + KC_used <= dk; d += KC_used) {
                 if (pf_k) {
-                    constexpr std::size_t step = KC * k_tile * sizeof(T);  // bytes of K rows per step
+                    constexpr std::size_t step = KC_used * k_tile * sizeof(T);  // bytes of K rows per step
                     const std::size_t off = std::size_t{d} * k_tile * sizeof(T);
                     for (std::size_t o = 0; o < (step > 64 ? step : 64); o += 64) {
                         __builtin_prefetch(pfk + off + o, 0, 2);
                         if (pf_v) __builtin_prefetch(pfv + off + o, 0, 2);  // (a prefetch never faults)
                     }
                 }
-                for (std::size_t c = 0; c < KC; ++c) {
+                for (std::size_t c = 0; c < KC_used; ++c) {
                     fbatch krow[CB];
                     for (std::size_t b = 0; b < CB; ++b) krow[b] = simd::load(kb + std::size_t{d + c} * k_tile + b * L);
                     for (std::size_t s = 0; s < SG; ++s) {
@@ -413,7 +415,7 @@ private:
             for (std::size_t s = 0; s < SG; ++s)
                 for (std::size_t b = 0; b < CB; ++b) {
                     fbatch v = part[0][s][b];
-                    for (std::size_t c = 1; c < KC; ++c) v += part[c][s][b];
+                    for (std::size_t c = 1; c < KC_used; ++c) v += part[c][s][b];
                     sc[g + s][b0 + b] = v;
                 }
             }
@@ -753,6 +755,29 @@ void attend_item(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_m
     } else {
         attention_kernel<M, T, Seqs, Conv...> k(kv, h, meta, sh, slots, ranges, n_ranges, st, p_buf, vt_buf, q_buf,
                                                 &conv...);
+        k.run();
+    }
+}
+
+// ---- (ops' deterministic mode, issue 26) -------------------------------------------
+/// attend_item with every score summed in one fixed order whatever M: one FMA chain per
+/// lane over the K rows in order (as M >= 8 and the fused loop always do), so a slot's
+/// output bits do not depend on how many other slots share its item, nor on whether a
+/// tile went through the fused loop. (Only M < 8 differs from attend_item: its score
+/// loop splits the sum over 8 / M chains for latency.)
+template <std::size_t M, class T, class Seqs, class... Conv>
+void attend_item_fixed_order(const kv_layer_view<const T>& kv, std::uint32_t h, const attn_meta<Seqs>& meta,
+                             const attn_shape& sh, const attn_slot* slots, const tile_range* ranges,
+                             std::size_t n_ranges, attn_state<M>& st, float* p_buf, float* vt_buf, float* q_buf,
+                             const Conv&... conv) noexcept {
+    static_assert(sizeof...(Conv) <= 1, "attend_item_fixed_order: at most one tile converter");
+    if constexpr (sizeof...(Conv) == 0) {
+        attention_kernel<M, T, Seqs, in_place_tiles, true> k(kv, h, meta, sh, slots, ranges, n_ranges, st, p_buf,
+                                                             vt_buf, q_buf, nullptr);
+        k.run();
+    } else {
+        attention_kernel<M, T, Seqs, Conv..., true> k(kv, h, meta, sh, slots, ranges, n_ranges, st, p_buf, vt_buf,
+                                                      q_buf, &conv...);
         k.run();
     }
 }

@@ -13,7 +13,7 @@
 #include <cstdint>  // fixed-width integers
 #include <string>   // messages
 #include <type_traits>  // std::integral_constant
-#include <utility>   // std::pair
+#include <utility>   // std::exchange
 #include <vector>   // workspace buffers
 
 #include "../config.hpp"
@@ -60,6 +60,13 @@ struct attention_params {
     int n_threads = 0;         ///< <= 0: the OpenMP default
     kernel_path path = kernel_path::simd;  ///< scalar: the plain reference loop (benchmarks)
     prefetch_mode prefetch = prefetch_mode::automatic;  ///< K/V prefetch strategy (speed only)
+    /// true: a row's output bits depend only on the row (query, position, sequence), the
+    /// cells and the params, never on the other rows of the call, the threads or the
+    /// split (see attention()). false: split-K follows the threads and the score sums of
+    /// small slot groups use more FMA chains (faster on many cores with few KV heads and
+    /// short contexts, on MHA models on AVX2); bits may then change with n_threads and
+    /// with the rows of the row's own sequence in the call.
+    bool deterministic = true;
 };
 
 namespace detail_attn {
@@ -85,12 +92,14 @@ public:
     attention_workspace() = default;
     /// Bytes currently reserved.
     [[nodiscard]] std::size_t bytes() const noexcept {
-        return tiles_.capacity() * sizeof(kernels::tile_meta) + slots_.capacity() * sizeof(kernels::attn_slot) +
-               ranges_.capacity() * sizeof(kernels::tile_range) + split_ranges_.capacity() * sizeof(kernels::tile_range) +
-               seq_ranges_.capacity() * sizeof(std::pair<std::uint32_t, std::uint32_t>) +
-               split_first_.capacity() * sizeof(std::size_t) + scratch_.capacity() * sizeof(float) +
-               partial_.capacity() * sizeof(float) + parts_done_.capacity() * sizeof(std::uint32_t) +
-               out_rows_.capacity() * sizeof(float*);
+        return tiles_.capacity() * sizeof(kernels::tile_meta) + tile_seqs_.capacity() * sizeof(seq_set) +
+               slots_.capacity() * sizeof(kernels::attn_slot) + ranges_.capacity() * sizeof(kernels::tile_range) +
+               range_first_.capacity() * sizeof(std::size_t) + split_ranges_.capacity() * sizeof(kernels::tile_range) +
+               split_first_.capacity() * sizeof(std::size_t) + items_.capacity() * sizeof(detail_attn::work_item) +
+               seq_index_.capacity() * sizeof(std::int32_t) + call_seqs_.capacity() * sizeof(seq_id_t) +
+               row_first_.capacity() * sizeof(std::uint32_t) + rows_.capacity() * sizeof(std::uint32_t) +
+               scratch_.capacity() * sizeof(float) + partial_.capacity() * sizeof(float) +
+               parts_done_.capacity() * sizeof(std::uint32_t) + out_rows_.capacity() * sizeof(float*);
     }
 
 private:
@@ -99,17 +108,23 @@ private:
                           const attention_params&, float*, attention_workspace&);
 
     std::vector<kernels::tile_meta> tiles_;           // per tile of [0, n): occupancy / position / sequence summary
+    std::vector<seq_set> tile_seqs_;                  // per tile: the sequences of its cells
     std::uint64_t tiles_stamp_ = 0;                   // cell_table::stamp() tiles_ was built from (0: none)
     std::uint32_t tiles_n_ = 0;                       // ... and the n it covered
-    std::vector<kernels::attn_slot> slots_;           // per KV head: n_q x group slots, padded to a multiple of M
-    std::vector<kernels::tile_range> ranges_;         // tiles to visit (one range for the contiguous layout)
-    std::vector<std::pair<std::uint32_t, std::uint32_t>> seq_ranges_;  // a paged layout's tile ranges of one sequence
-    std::vector<kernels::tile_range> split_ranges_;   // the ranges cut into n_split parts
-    std::vector<std::size_t> split_first_;            // split k's ranges: [split_first_[k], split_first_[k+1])
-    std::vector<float> scratch_;                      // per thread: accumulators, p, transposed-V rows
-    std::vector<float> partial_;                      // split-K: per item M x (dv + 2) partial states
-    std::vector<std::uint32_t> parts_done_;           // split-K: per head group, parts finished (atomic_ref)
+    std::vector<std::int32_t> seq_index_;             // per sequence id: its index in call_seqs_ (-1: not in the call)
+    std::vector<seq_id_t> call_seqs_;                 // the call's sequences, in order of first row
+    std::vector<std::uint32_t> row_first_;            // sequence i's rows: rows_[row_first_[i], row_first_[i+1])
+    std::vector<std::uint32_t> rows_;                 // the rows grouped by sequence (in row order within one)
+    std::vector<kernels::tile_range> ranges_;         // sequence i's tiles: ranges_[range_first_[i], [i+1])
+    std::vector<std::size_t> range_first_;
+    std::vector<kernels::tile_range> split_ranges_;   // the parts' ranges
+    std::vector<std::size_t> split_first_;            // part k's ranges: [split_first_[k], split_first_[k+1])
+    std::vector<detail_attn::work_item> items_;       // the call's work items
+    std::vector<kernels::attn_slot> slots_;           // the items' slots, each item's M in a row
     std::vector<float*> out_rows_;                    // per slot: where its output row goes (null: padding)
+    std::vector<float> scratch_;                      // per thread: accumulators, p, transposed-V rows
+    std::vector<float> partial_;                      // split-K: per group n_split x M x (dv + 2) partial states
+    std::vector<std::uint32_t> parts_done_;           // split-K: per group, parts finished (atomic_ref)
 };
 
 namespace detail_attn {
@@ -132,6 +147,10 @@ void check(const Cache& cache, std::uint32_t layer, const float* q, const pos_t*
     if (!std::isfinite(p.softcap) || p.softcap < 0.0f)
         detail::fail(errc::invalid_argument,
                      "attention: softcap = " + std::to_string(p.softcap) + ", must be finite and >= 0 (0: none)");
+    if (cache.has_shift())
+        detail::fail(errc::invalid_argument,
+                     "attention: the cache has pending K-shifts (has_shift() is true: seq_add / seq_div moved cells "
+                     "whose K is still rotated for the old positions); call ops::apply_k_shift first");
     if (n_q == 0) return;
     if (q == nullptr) detail::fail(errc::invalid_argument, "attention: q is null with n_q = " + to_string(n_q));
     if (q_pos == nullptr) detail::fail(errc::invalid_argument, "attention: q_pos is null with n_q = " + to_string(n_q));
@@ -184,12 +203,26 @@ void attention_scalar(const Cache& cache, std::uint32_t layer, const float* q, c
 /// Reads only cells [0, cache.n_window()) (F8). Throws kvcache::error(invalid_argument)
 /// on bad arguments (before writing anything).
 ///
-/// Parallel work items are (KV head, group of query slots, part of the KV range): the
-/// query slots of one KV head (rows x query heads of its GQA group) are cut into groups
-/// of up to 16 that share every K/V read; when there are fewer items than four per
-/// thread (decode of few sequences), or fewer than 16 and the context is long (parts of
-/// >= 4096 cells), the KV range is split too and the partial softmax states are merged
-/// by the thread that finishes a head group's last part (split-K / flash-decoding).
+/// Refuses (invalid_argument, nothing written) a cache with pending K-shifts
+/// (cache.has_shift(): seq_add / seq_div moved cells whose K is still rotated for the
+/// old positions): call ops::apply_k_shift first. Attention never reads stale K.
+///
+/// Cost: rows are grouped by sequence. Work items are (KV head, group of up to 16 query
+/// slots of one sequence, part of that sequence's tiles): the slots of one sequence and
+/// KV head (its rows x the query heads of the GQA group) share every K/V read, and each
+/// item visits only the tiles that hold cells of its sequence, so a call with many
+/// sequences (decode of a batch, or a prefill chunk of one sequence next to decode rows
+/// of others: continuous batching) reads what one call per sequence would, in one
+/// parallel region. A long sequence's tiles are cut into parts whose partial softmax
+/// states are merged by the thread that finishes the last one (split-K / flash-decoding).
+///
+/// Determinism (p.deterministic, the default): a row's output bits depend only on its
+/// query, position and sequence, the cells and the params: not on the other rows of the
+/// call (other sequences, other rows of its own sequence, prefill or decode shape), nor
+/// on n_threads. Each sequence's split is a function of its own tiles (parts of >= 4096
+/// cells), and every score is summed in one order whatever the slot group's size. With
+/// deterministic = false the split follows the threads (more parallelism for few KV
+/// heads on many cores) and small slot groups sum scores over several FMA chains.
 template <class Cache>
 void attention(const Cache& cache, std::uint32_t layer, const float* q, const pos_t* q_pos, const seq_id_t* q_seq,
                std::uint32_t n_q, const attention_params& p, float* out, attention_workspace& ws) {
@@ -211,75 +244,167 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     sh.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(dk));
     sh.softcap = p.softcap;
     sh.window = p.window;
+    const std::size_t row_floats = std::size_t{p.n_head} * dv;
 
     const std::uint32_t n = cache.n_window();
     const std::uint32_t n_tiles = (n + k_tile - 1) / k_tile;
     if (n_tiles == 0) {
-        std::fill(out, out + std::size_t{n_q} * p.n_head * dv, 0.0f);
+        std::fill(out, out + std::size_t{n_q} * row_floats, 0.0f);
         return;
     }
-    // Per-tile summaries: rebuilt by run_items only when the cells changed since the
-    // workspace last built them. Building them read every cell's position and sequence
-    // set, 7-12% of a cold 16K decode call on the Zen 5 VM (1 or 2 threads), once per
-    // layer; a decode step now pays it once.
+    // Per-tile summaries and the sequences of each tile's cells: rebuilt only when the
+    // cells changed since the workspace last built them (cell_table::stamp()), so the
+    // layers of one decode step build them once. (Building them reads every cell's
+    // position and sequence set: 7-12% of a cold 16K decode call on the Zen 5 VM.)
     const std::uint64_t stamp = cache.cells().stamp();
     const bool tiles_ready = ws.tiles_stamp_ == stamp && ws.tiles_n_ == n;  // (tiles_ then has n_tiles entries)
-    ws.tiles_stamp_ = 0;  // (invalid until run_items has filled them)
-    ws.tiles_.resize(n_tiles);
+    ws.tiles_stamp_ = 0;  // (invalid until filled)
+    if (!tiles_ready) {
+        ws.tiles_.resize(n_tiles);
+        ws.tile_seqs_.resize(n_tiles);
+        const cell_table& cells = cache.cells();
+        kernels::tile_meta* tiles = ws.tiles_.data();
+        seq_set* tile_seqs = ws.tile_seqs_.data();
+        const auto nt = static_cast<std::int64_t>(n_tiles);
+        // (A parallel region only when it pays for its fork: >= 64K cells.)
+        KVCACHE_OMP(parallel for num_threads(threads) schedule(static) if (threads > 1 && nt >= 2048))
+        for (std::int64_t t = 0; t < nt; ++t)
+            tiles[t] = detail_attn::summarise_tile(cells, n, static_cast<std::uint32_t>(t), tile_seqs[t]);
+    }
     kernels::attn_meta<detail_attn::cell_seqs> meta;
     meta.pos = cache.cells().pos_data();
     meta.seqs = detail_attn::cell_seqs{cache.cells().seq_data()};
     meta.tiles = ws.tiles_.data();
 
-    // Slots: per KV head, row-major over (row, head of the group), padded to a multiple of M.
-    const std::size_t want = std::size_t{n_q} * group;
-    const std::size_t M = detail_attn::slots_per_item(want);
-    const std::size_t per_head = (want + M - 1) / M * M;
+    // The call's sequences (in order of their first row) and each one's rows.
+    ws.seq_index_.assign(s.n_seq_max, -1);
+    ws.call_seqs_.clear();
+    ws.row_first_.clear();
+    for (std::uint32_t i = 0; i < n_q; ++i) {
+        std::int32_t& x = ws.seq_index_[static_cast<std::size_t>(q_seq[i])];
+        if (x < 0) {
+            x = static_cast<std::int32_t>(ws.call_seqs_.size());
+            ws.call_seqs_.push_back(q_seq[i]);
+            ws.row_first_.push_back(0);
+        }
+        ++ws.row_first_[static_cast<std::size_t>(x)];
+    }
+    const std::size_t n_cs = ws.call_seqs_.size();
     {
-        const std::size_t kv_bytes = std::size_t{n} * hkv * (dk + dv) * sizeof(T);
-        const prefetch_mode pm = detail_attn::resolve_prefetch(p.prefetch, M, kv_bytes);
+        std::uint32_t sum = 0;  // counts -> first row of each sequence
+        for (auto& c : ws.row_first_) sum += std::exchange(c, sum);
+        ws.row_first_.push_back(sum);
+    }
+    ws.rows_.resize(n_q);
+    for (std::uint32_t i = 0; i < n_q; ++i)  // (row_first_[x] walks to row_first_[x+1]; shifted back below)
+        ws.rows_[ws.row_first_[static_cast<std::size_t>(ws.seq_index_[static_cast<std::size_t>(q_seq[i])])]++] = i;
+    for (std::size_t x = n_cs; x > 0; --x) ws.row_first_[x] = ws.row_first_[x - 1];
+    ws.row_first_[0] = 0;
+
+    // Each sequence's tiles: those holding a cell of it, as ranges of consecutive tiles
+    // (a whole contiguous sequence is one range, a paged one its blocks). Other
+    // sequences' tiles are never visited.
+    ws.ranges_.clear();
+    ws.range_first_.assign(1, 0);
+    std::size_t total_tiles = 0;
+    for (std::size_t x = 0; x < n_cs; ++x) {
+        const seq_id_t sq = ws.call_seqs_[x];
+        std::size_t count = 0;
+        for (std::uint32_t t = 0; t < n_tiles;) {
+            if (!detail_attn::tile_has_seq(ws.tiles_[t], ws.tile_seqs_[t], sq)) {
+                ++t;
+                continue;
+            }
+            const std::uint32_t t0 = t;
+            while (t < n_tiles && detail_attn::tile_has_seq(ws.tiles_[t], ws.tile_seqs_[t], sq)) ++t;
+            ws.ranges_.push_back({t0, t});
+            count += t - t0;
+        }
+        ws.range_first_.push_back(ws.ranges_.size());
+        total_tiles += count;
+    }
+
+    // Groups (sequence, KV head, up to 16 slots): a sequence's slots (its rows x the
+    // query heads of the GQA group) in groups of 16, the last one of 1, 2, 4, 8 or 16.
+    auto group_m = [](std::size_t left) -> std::uint32_t {
+        return left >= 16 ? 16 : left > 4 ? (left > 8 ? 16 : 8) : left > 2 ? 4 : static_cast<std::uint32_t>(left);
+    };
+    std::size_t base_items = 0, n_slots = 0;
+    std::uint32_t max_m = 1;
+    for (std::size_t x = 0; x < n_cs; ++x) {
+        if (ws.range_first_[x + 1] == ws.range_first_[x]) continue;  // no cell: zeros (below)
+        for (std::size_t left = std::size_t{ws.row_first_[x + 1] - ws.row_first_[x]} * group; left > 0;) {
+            const std::uint32_t m = group_m(left);
+            base_items += hkv;
+            n_slots += std::size_t{m} * hkv;
+            max_m = std::max(max_m, m);
+            left -= std::min<std::size_t>(left, m);
+        }
+    }
+    {
+        const std::size_t kv_bytes = total_tiles * k_tile * hkv * (dk + dv) * sizeof(T);
+        const prefetch_mode pm = detail_attn::resolve_prefetch(p.prefetch, max_m, kv_bytes);
         sh.burst_prefetch = pm == prefetch_mode::burst;
         sh.interleaved_prefetch = pm == prefetch_mode::interleaved;
     }
-    ws.slots_.assign(per_head * hkv, kernels::attn_slot{});
-    std::vector<float*>& out_rows = ws.out_rows_;
-    out_rows.assign(per_head * hkv, nullptr);
-    for (std::uint32_t h = 0; h < hkv; ++h)
-        for (std::size_t k = 0; k < want; ++k) {
-            const auto row = static_cast<std::uint32_t>(k / group);
-            const std::uint32_t head = h * group + static_cast<std::uint32_t>(k % group);
-            kernels::attn_slot& sl = ws.slots_[h * per_head + k];
-            sl.q = q + (std::size_t{row} * p.n_head + head) * dk;
-            sl.qp = q_pos[row];
-            sl.qs = q_seq[row];
-            sl.active = true;
-            out_rows[h * per_head + k] = out + (std::size_t{row} * p.n_head + head) * dv;
-        }
-    // Padding slots read a real query (never used: they see nothing).
-    for (std::size_t x = 0; x < ws.slots_.size(); ++x)
-        if (!ws.slots_[x].active) ws.slots_[x].q = q;
 
-    // Tiles to visit: one range [0, n_tiles) (the metadata skips tiles nobody sees), or,
-    // when every row belongs to one sequence and the layout can list that sequence's
-    // tiles (a paged layout's block table: storage.tile_ranges(seq)), just those.
-    ws.ranges_.assign(1, kernels::tile_range{0, n_tiles});
-    if constexpr (cache_has_capability<Cache, layout_caps::tile_ranges>()) {
-        bool one_seq = true;
-        for (std::uint32_t i = 1; i < n_q; ++i) one_seq = one_seq && q_seq[i] == q_seq[0];
-        if (one_seq) {
-            ws.ranges_.clear();
-            cache.storage().tile_ranges(q_seq[0], ws.seq_ranges_);
-            for (const auto& r : ws.seq_ranges_) {
-                const auto t0 = static_cast<std::uint32_t>(r.first);
-                const auto t1 = std::min(static_cast<std::uint32_t>(r.second), n_tiles);
-                if (t0 < t1) ws.ranges_.push_back({t0, t1});
-            }
+    // Slots, parts and items.
+    ws.slots_.assign(n_slots, kernels::attn_slot{});
+    ws.out_rows_.assign(n_slots, nullptr);
+    ws.items_.clear();
+    ws.split_ranges_.clear();
+    ws.split_first_.assign(1, 0);
+    std::size_t n_groups = 0, n_partial = 0, slot = 0;
+    for (std::size_t x = 0; x < n_cs; ++x) {
+        const std::uint32_t* rows = ws.rows_.data() + ws.row_first_[x];
+        const std::size_t want = std::size_t{ws.row_first_[x + 1] - ws.row_first_[x]} * group;
+        const kernels::tile_range* rg = ws.ranges_.data() + ws.range_first_[x];
+        const std::size_t n_rg = ws.range_first_[x + 1] - ws.range_first_[x];
+        if (n_rg == 0) {  // the sequence holds no cell: its rows see nothing
+            for (std::size_t r = ws.row_first_[x]; r < ws.row_first_[x + 1]; ++r)
+                std::fill(out + ws.rows_[r] * row_floats, out + (ws.rows_[r] + 1) * row_floats, 0.0f);
+            continue;
         }
+        std::size_t seq_tiles = 0;
+        for (std::size_t i = 0; i < n_rg; ++i) seq_tiles += rg[i].t1 - rg[i].t0;
+        const std::size_t n_split = detail_attn::split_count(seq_tiles, base_items, threads, p.deterministic);
+        const std::size_t part0 = ws.split_first_.size() - 1;
+        detail_attn::cut_parts(rg, n_rg, n_split, ws.split_ranges_, ws.split_first_);
+        for (std::uint32_t h = 0; h < hkv; ++h)
+            for (std::size_t k0 = 0; k0 < want;) {
+                const std::uint32_t m = group_m(want - k0);
+                for (std::size_t j = 0; j < m && k0 + j < want; ++j) {
+                    const std::size_t k = k0 + j;
+                    const std::uint32_t row = rows[k / group];
+                    const std::uint32_t head = h * group + static_cast<std::uint32_t>(k % group);
+                    kernels::attn_slot& sl = ws.slots_[slot + j];
+                    sl.q = q + (std::size_t{row} * p.n_head + head) * dk;
+                    sl.qp = q_pos[row];
+                    sl.qs = q_seq[row];
+                    sl.active = true;
+                    ws.out_rows_[slot + j] = out + row * row_floats + std::size_t{head} * dv;
+                }
+                for (std::size_t j = want - k0 < m ? want - k0 : m; j < m; ++j)
+                    ws.slots_[slot + j].q = q;  // padding: reads a real query, sees nothing
+                for (std::size_t k = 0; k < n_split; ++k) {
+                    detail_attn::work_item w;
+                    w.h = h;
+                    w.m = m;
+                    w.slot0 = slot;
+                    w.part = part0 + k;
+                    w.k = static_cast<std::uint32_t>(k);
+                    w.n_split = static_cast<std::uint32_t>(n_split);
+                    w.group = n_groups;
+                    w.partial0 = n_partial;
+                    ws.items_.push_back(w);
+                }
+                ++n_groups;
+                if (n_split > 1) n_partial += n_split * m * (dv + 2);
+                slot += m;
+                k0 += m;
+            }
     }
 
-    // Split-K (detail/attention_schedule.hpp): parts of the tiles to visit.
-    const std::size_t base_items = std::size_t{hkv} * (per_head / M);
-    const std::size_t n_split = detail_attn::plan_split(ws.ranges_, base_items, threads, ws.split_ranges_, ws.split_first_);
     // Per-thread scratch: each thread's part starts on a 4 KiB boundary and ends with a
     // 4 KiB gap. Packed back to back, one core's hardware prefetchers, running past the
     // end of its own buffers, pulled in the next thread's accumulator lines, which that
@@ -289,32 +414,27 @@ void attention(const Cache& cache, std::uint32_t layer, const float* q, const po
     // (+ the generic path's two converted tiles, k_tile x (dk + dv) floats; 0 for f32/f16/bf16)
     constexpr bool in_place = kvcache::detail::has_simd_storage<typename Cache::element>;
     const std::size_t stage = in_place ? 0 : std::size_t{k_tile} * (dk + dv);
+    const std::size_t M = max_m;
     const std::size_t need = M * dv + M * k_tile + std::size_t{k_tile} * dv + M * dk + 16 + stage;
     const std::size_t per_thread = (need + page - 1) / page * page + page;
     if (ws.scratch_.size() < per_thread * static_cast<std::size_t>(threads) + page)
         ws.scratch_.resize(per_thread * static_cast<std::size_t>(threads) + page);
     float* scratch = ws.scratch_.data();
     scratch += (page - (reinterpret_cast<std::uintptr_t>(scratch) / sizeof(float)) % page) % page;
-    if (n_split > 1 && ws.partial_.size() < base_items * n_split * M * (dv + 2))
-        ws.partial_.resize(base_items * n_split * M * (dv + 2));
-    if (n_split > 1) ws.parts_done_.assign(base_items, 0);
+    if (ws.partial_.size() < n_partial) ws.partial_.resize(n_partial);
+    ws.parts_done_.assign(n_groups, 0);
 
     const kv_layer_view<const T> kv = cache.storage().view(layer);
-    auto run = [&](auto m_tag) {
-        constexpr std::size_t MM = decltype(m_tag)::value;
-        detail_attn::run_items<MM, typename Cache::element>(kv, meta, sh, ws.slots_.data(), per_head, hkv, ws.split_ranges_.data(),
-                                      ws.split_first_.data(), n_split, scratch, per_thread,
-                                      ws.partial_.data(), ws.parts_done_.data(), out_rows.data(), threads,
-                                      cache.cells(), n,
-                                      ws.tiles_.data(), tiles_ready);
+    auto run = [&](auto fixed) {
+        detail_attn::run_items<typename Cache::element, decltype(fixed)::value>(
+            kv, meta, sh, ws.slots_.data(), ws.out_rows_.data(), ws.items_.data(), ws.items_.size(),
+            ws.split_ranges_.data(), ws.split_first_.data(), scratch, per_thread, ws.partial_.data(),
+            ws.parts_done_.data(), threads);
     };
-    switch (M) {
-        case 1: run(std::integral_constant<std::size_t, 1>{}); break;
-        case 2: run(std::integral_constant<std::size_t, 2>{}); break;
-        case 4: run(std::integral_constant<std::size_t, 4>{}); break;
-        case 8: run(std::integral_constant<std::size_t, 8>{}); break;
-        default: run(std::integral_constant<std::size_t, 16>{}); break;
-    }
+    if (p.deterministic)
+        run(std::true_type{});
+    else
+        run(std::false_type{});
     ws.tiles_stamp_ = stamp;
     ws.tiles_n_ = n;
 }

@@ -43,13 +43,14 @@ inline void merge_slot(const float* partial, std::size_t n_split, std::uint32_t 
     for (std::uint32_t d = 0; d < dv; ++d) o[d] *= inv;
 }
 
-/// The end of work item `item` (head group hg, part k of n_split) whose state is st
+/// The end of a work item (part k of n_split of its group) whose state is st
 /// (accumulators acc, M x dv): with one part, its rows' outputs (acc / l; null rows are
-/// padding); else its partial state, and the thread that finishes a head group's last
-/// part merges the group. out_rows: the M output rows of the head group.
+/// padding); else its partial state into the group's states `partial` (n_split x M x
+/// (dv + 2) floats), and the thread that finishes the group's last part (*parts_done
+/// counts them) merges the group. out_rows: the M output rows of the group.
 template <std::size_t M>
-inline void finish_item(const kernels::attn_state<M>& st, const float* acc, std::uint32_t dv, std::size_t item,
-                        std::size_t hg, std::size_t n_split, float* const* out_rows, float* partial,
+inline void finish_item(const kernels::attn_state<M>& st, const float* acc, std::uint32_t dv, std::size_t k,
+                        std::size_t n_split, float* const* out_rows, float* partial,
                         std::uint32_t* parts_done) noexcept {
     if (n_split == 1) {
         for (std::size_t s = 0; s < M; ++s) {
@@ -59,17 +60,18 @@ inline void finish_item(const kernels::attn_state<M>& st, const float* acc, std:
             for (std::uint32_t d = 0; d < dv; ++d) o[d] = acc[s * dv + d] * inv;
         }
     } else {
-        float* part = partial + item * M * (dv + 2);
+        float* part = partial + k * M * (dv + 2);
         for (std::size_t s = 0; s < M; ++s) {
             part[s * (dv + 2)] = st.m[s];
             part[s * (dv + 2) + 1] = st.l[s];
             std::copy(acc + s * dv, acc + s * dv + dv, part + s * (dv + 2) + 2);
         }
-        // The thread that finishes a head group's last part merges the group: no
-        // barrier between the items and the merge (acq_rel: the other parts' writes
-        // are visible to it).
-        if (std::atomic_ref<std::uint32_t>(parts_done[hg]).fetch_add(1, std::memory_order_acq_rel) + 1 == n_split)
-            for (std::size_t s = 0; s < M; ++s) merge_slot<M>(partial, n_split, dv, hg * M + s, out_rows[s]);
+        // The thread that finishes a group's last part merges the group: no barrier
+        // between the items and the merge (acq_rel: the other parts' writes are visible
+        // to it). The merge reads the parts in order k = 0 .. n_split-1 whichever thread
+        // runs it, so its bits do not depend on the threads.
+        if (std::atomic_ref<std::uint32_t>(*parts_done).fetch_add(1, std::memory_order_acq_rel) + 1 == n_split)
+            for (std::size_t s = 0; s < M; ++s) merge_slot<M>(partial, n_split, dv, s, out_rows[s]);
     }
 }
 
