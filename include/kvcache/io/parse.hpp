@@ -119,8 +119,11 @@ result<staged_state> parse_state(const char* fn, const Cache& cache, std::span<c
     staged_state st;
     st.kind = static_cast<state_kind>(kind);
     st.saved_seq = r.get<std::int32_t>();
-    const auto reserved = r.get<std::uint32_t>();
-    if (reserved != 0) return err(errc::unsupported, "reserved field = " + hex(reserved) + ", must be 0");
+    if (const auto got = r.get<std::uint32_t>(); got != f.*rope_ext_field.member)  // rope scaling word
+        return err(rope_ext_field.code, std::string(rope_ext_field.name) + " = " + hex(got) +
+                                            " in the state, the cache has " + hex(f.*rope_ext_field.member) +
+                                            " (0 = plain RoPE): saved with other RoPE scaling (rope_params "
+                                            "ntk_alpha, attn_factor, scaling, n_ctx_orig, yarn, llama3, factor tables)");
     if (st.kind == state_kind::whole_cache ? st.saved_seq != -1 : st.saved_seq < 0)
         return err(errc::invalid_cell, "seq = " + std::to_string(st.saved_seq) +
                                            (st.kind == state_kind::whole_cache ? ", must be -1 for a whole cache"

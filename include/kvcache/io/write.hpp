@@ -90,7 +90,7 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
     w.put<std::uint32_t>(pruning.empty() ? 0u : state_flag_pruning);
     for (const fp_field& d : fingerprint_fields) w.put<std::uint32_t>(f.*d.member);
     w.put<std::int32_t>(seq < 0 ? -1 : seq);
-    w.put<std::uint32_t>(0);  // reserved
+    w.put<std::uint32_t>(f.*rope_ext_field.member);  // rope scaling word
     w.put<std::uint64_t>(tokens.size());
     w.put<std::uint64_t>(media.size());
     w.put<std::uint64_t>(cells.size());
