@@ -398,6 +398,20 @@ TEST_CASE("rope variants: LongRoPE refuses moves across n_ctx_orig and leaves th
     // A second move judged from where K was rotated (3000), not from the current 4000.
     CHECK(kvtest::refused_with(cache.seq_add(0, 4000, 4001, 96), kvcache::errc::unsupported, "K rotated at 3000"));
     REQUIRE(cache.seq_add(0, 4000, 4001, -1000));  // back to 3000: no net move
+    {
+        // A pending move across the boundary can only be made by hand (cells_for_update);
+        // apply_k_shift refuses it before changing anything.
+        kvcache::kv_cache<kvcache::f32> hand(s);
+        auto p3 = hand.place(pos, seq).value();
+        hand.write_k(0, p3.cells, k.data());
+        hand.write_v(0, p3.cells, v.data());
+        static_cast<void>(hand.commit());
+        auto& cells = hand.cells_for_update(kvcache::detail::internal_access{});
+        cells.move_pos(p3.cells[3], 4100);  // K rotated at 4095; pending shift 5
+        const auto held = kvtest::snapshot(hand);
+        expect_throw([&] { kvcache::ops::apply_k_shift(hand); }, kvcache::errc::unsupported, "from position 4095 to 4100");
+        CHECK(kvtest::snapshot(hand) == held);
+    }
     kvcache::ops::apply_k_shift(cache);
     CHECK_FALSE(cache.has_shift());
     // LongRoPE with every position on one side (or another scaling) never refuses.

@@ -137,6 +137,10 @@ plan make_plan(const Cache& cache, int n_threads) {
 /// with n = cache.n_window() (F8), and only the cells that move. Each distinct delta's
 /// cos/sin table is computed once (in double, accurate for deltas up to 2^31) and shared
 /// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
+/// Every RoPE variant of rope_params: the tables rotate by the angle of the delta with the
+/// frequencies K was rotated with, never by the magnitude attn_factor (see make_plan).
+/// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
+/// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
 template <class Cache>
 void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
     static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
