@@ -10,7 +10,6 @@
 #include <optional>  // optional error messages
 #include <span>      // token lists
 #include <string>    // messages
-#include <vector>    // rope-scaling bytes
 
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
@@ -80,18 +79,14 @@ struct fingerprint {
 /// n_ctx_orig, its parameters (yarn / llama3) and its factor tables (freq_factors, or
 /// short_factors and long_factors), each as f32 bits with the table sizes. Fields of a
 /// scaling not selected are left out, so they never make two equal RoPEs differ.
-inline std::uint32_t rope_ext_word(const rope_params& r) {
+inline std::uint32_t rope_ext_word(const rope_params& r) noexcept {
     if (!r.extended()) return 0;
-    std::vector<std::byte> b;
-    auto put = [&](const void* p, std::size_t n) {
-        const auto* c = static_cast<const std::byte*>(p);
-        b.insert(b.end(), c, c + n);
-    };
-    auto put_u32 = [&](std::uint32_t v) { put(&v, 4); };
-    auto put_f32 = [&](float v) { put(&v, 4); };
+    hasher h;  // XXH3-64 of the fields in use, in this order
+    auto put_u32 = [&](std::uint32_t v) { h.update(&v, 4); };
+    auto put_f32 = [&](float v) { h.update(&v, 4); };
     auto put_table = [&](const rope_factors& t) {
         put_u32(static_cast<std::uint32_t>(t.size()));
-        if (!t.empty()) put(t.data(), t.size() * 4);
+        if (!t.empty()) h.update(t.data(), t.size() * 4);
     };
     put_u32(1);  // version of this encoding
     put_f32(r.ntk_alpha);
@@ -116,8 +111,8 @@ inline std::uint32_t rope_ext_word(const rope_params& r) {
             break;
         default: put_table(r.freq_factors);
     }
-    const std::uint64_t h = checksum(std::span<const std::byte>(b));
-    const auto w = static_cast<std::uint32_t>(h ^ (h >> 32));
+    const std::uint64_t d = h.digest();
+    const auto w = static_cast<std::uint32_t>(d ^ (d >> 32));
     return w == 0 ? 1u : w;
 }
 
@@ -131,7 +126,7 @@ std::uint32_t layout_window(const Cache& cache) noexcept {
 }
 
 template <class Cache>
-fingerprint fingerprint_of(const Cache& cache) {
+fingerprint fingerprint_of(const Cache& cache) noexcept {
     const model_shape& s = cache.shape();
     fingerprint f{};
     f.n_layer = s.n_layer;
