@@ -7,6 +7,8 @@
 // attn_decode_multi/<type>/n_seq:16/n_kv:2048/<contiguous|paged>/threads:<t> and
 // attn_mixed/<type>/prefill:512/decode:15/<contiguous|paged>/threads:<t> (one call with many
 // sequences against one call per sequence, same run: counter vs_separate),
+// kshift_rope/<type>/<rope>/<llama3|yarn>/n_cells:16384/threads:<t> (scaled RoPE, paired with
+// the plain K-shift in each iteration; counter vs_plain = scaled / plain seconds),
 // membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
 // membw_kv_compute/<blocked|together>/threads:<t> (the two streams with decode's FMAs per
 // byte, read one after the other or together),
@@ -49,11 +51,34 @@ using cache_t = kvcache::kv_cache<E>;
 
 // A cache of n_cells cells with n_kv of them holding sequence 0 at positions [0, n_kv), every
 // layer's K and V filled with random values (copied from a small random pattern).
+// RoPE frequency scaling of a benchmark cache (K-shift rows): plain, Llama 3.1 factors, or
+// YaRN as Qwen2.5 sets it (factor 4 over 32768 positions).
+enum class rope_variant { plain, llama3, yarn };
+
+kvcache::rope_params rope_of(kvcache::rope_type type, rope_variant v) {
+    kvcache::rope_params r;
+    r.type = type;
+    if (v == rope_variant::llama3) {
+        r.freq_base = 500000.0f;
+        r.scaling = kvcache::rope_scaling::llama3;
+        r.n_ctx_orig = 8192;
+        r.llama3 = {.factor = 8.0f, .low_freq_factor = 1.0f, .high_freq_factor = 4.0f};
+    } else if (v == rope_variant::yarn) {
+        r.freq_base = 1000000.0f;
+        r.freq_scale = 0.25f;
+        r.scaling = kvcache::rope_scaling::yarn;
+        r.n_ctx_orig = 32768;
+        r.attn_factor = kvcache::rope_params::yarn_mscale(4.0f);
+    }
+    return r;
+}
+
 template <class E>
 std::unique_ptr<cache_t<E>> make_cache(std::uint32_t n_cells, std::uint32_t n_kv, std::uint32_t n_layer,
-                                       std::uint32_t hkv, kvcache::rope_type rope = kvcache::rope_type::normal) {
+                                       std::uint32_t hkv, kvcache::rope_type rope = kvcache::rope_type::normal,
+                                       rope_variant variant = rope_variant::plain) {
     kvcache::model_shape s;
-    s.rope.type = rope;
+    s.rope = rope_of(rope, variant);
     s.n_layer = n_layer;
     s.n_head_kv = hkv;
     s.head_dim_k = head_dim;
@@ -92,6 +117,7 @@ struct cache_key {
     std::string type;
     std::uint32_t n_cells = 0, n_kv = 0, n_layer = 0, hkv = 0;
     kvcache::rope_type rope = kvcache::rope_type::normal;
+    rope_variant variant = rope_variant::plain;
     bool operator==(const cache_key&) const = default;
 };
 struct held_cache {
@@ -108,8 +134,9 @@ std::size_t hold_budget() {
 
 template <class E>
 cache_t<E>& shared_cache(std::uint32_t n_cells, std::uint32_t n_kv, std::uint32_t n_layer, std::uint32_t hkv,
-                         kvcache::rope_type rope = kvcache::rope_type::normal) {
-    const cache_key key{std::string(E::name), n_cells, n_kv, n_layer, hkv, rope};
+                         kvcache::rope_type rope = kvcache::rope_type::normal,
+                         rope_variant variant = rope_variant::plain) {
+    const cache_key key{std::string(E::name), n_cells, n_kv, n_layer, hkv, rope, variant};
     auto it = std::find_if(held.begin(), held.end(), [&](const held_cache& h) { return h.key == key; });
     if (it != held.end()) {
         std::rotate(it, it + 1, held.end());
@@ -122,7 +149,8 @@ cache_t<E>& shared_cache(std::uint32_t n_cells, std::uint32_t n_kv, std::uint32_
         total -= held.front().bytes;
         held.erase(held.begin());
     }
-    held.push_back({key, bytes, std::shared_ptr<cache_t<E>>(make_cache<E>(n_cells, n_kv, n_layer, hkv, rope))});
+    held.push_back(
+        {key, bytes, std::shared_ptr<cache_t<E>>(make_cache<E>(n_cells, n_kv, n_layer, hkv, rope, variant))});
     return *static_cast<cache_t<E>*>(held.back().cache.get());
 }
 
@@ -539,6 +567,36 @@ void kshift(benchmark::State& state, kvcache::rope_type type, int threads, kvcac
            0.0, threads);
 }
 
+// K-shift of a cache with scaled RoPE (llama3 or YaRN), paired with the plain K-shift of a
+// cache of the same size: each iteration shifts the plain cache, then the scaled one, each
+// timed on its own, so both see the same machine state (a contended host drifts). Counter
+// vs_plain: scaled seconds / plain seconds (target <= 1.10: only the per-delta tables
+// differ, computed once per distinct delta; the rotation kernel is the same).
+template <class E>
+void kshift_scaled(benchmark::State& state, kvcache::rope_type type, rope_variant variant, int threads) {
+    using T = typename E::storage_type;
+    constexpr std::uint32_t n_cells = 16384;
+    const std::size_t k_layer_bytes = std::size_t{n_cells} * n_head_kv_default * head_dim * sizeof(T);
+    const std::uint32_t n_layer = cold_layers(k_layer_bytes);
+    cache_t<E>* const plain = &shared_cache<E>(n_cells, n_cells, n_layer, n_head_kv_default, type);
+    cache_t<E>* const scaled = &shared_cache<E>(n_cells, n_cells, n_layer, n_head_kv_default, type, variant);
+    std::int32_t delta = 1;
+    kernel_timer timer, plain_timer;
+    for (auto _ : state) {
+        state.PauseTiming();
+        plain->seq_add(0, 0, -1, delta).value();  // bookkeeping, not timed
+        scaled->seq_add(0, 0, -1, delta).value();
+        delta = -delta;
+        plain_timer.run([&] { kvcache::ops::apply_k_shift(*plain, threads); });
+        state.ResumeTiming();
+        timer.run([&] { kvcache::ops::apply_k_shift(*scaled, threads); });
+    }
+    const double bytes = 2.0 * static_cast<double>(k_layer_bytes) * n_layer;
+    state.SetBytesProcessed(static_cast<std::int64_t>(bytes * static_cast<double>(state.iterations())));
+    state.counters["threads"] = threads;
+    state.counters["vs_plain"] = timer.total / (plain_timer.total > 0.0 ? plain_timer.total : 1e-30);
+}
+
 template <class E>
 void register_type() {
     using kvcache::ops::kernel_path;
@@ -572,6 +630,12 @@ void register_type() {
             benchmark::RegisterBenchmark(("kshift/" + t + "/" + rn + "/n_cells:16384" + ts).c_str(),
                                          [rt, th](benchmark::State& st) { kshift<E>(st, rt, th, kernel_path::simd); })
                 ->UseRealTime()->Unit(benchmark::kMillisecond);
+            for (auto v : {rope_variant::llama3, rope_variant::yarn}) {
+                const std::string vn = v == rope_variant::llama3 ? "llama3" : "yarn";
+                benchmark::RegisterBenchmark(("kshift_rope/" + t + "/" + rn + "/" + vn + "/n_cells:16384" + ts).c_str(),
+                                             [rt, v, th](benchmark::State& st) { kshift_scaled<E>(st, rt, v, th); })
+                    ->UseRealTime()->Unit(benchmark::kMillisecond);
+            }
         }
     }
     // Scalar reference (single thread).

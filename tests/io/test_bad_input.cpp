@@ -1,7 +1,7 @@
 // Bad state bytes (F15): every refusal has its exact error code and leaves the cache
 // bit-identical (metadata, indexes and every K/V byte).
 //   - truncation at every byte offset and every single-bit flip of small valid states;
-//   - wrong magic, future and past versions, each fingerprint field, kind/flags/reserved
+//   - wrong magic, future and past versions, each fingerprint field, kind/flags/rope scaling word
 //     (the pruning table of flags bit 0 is tested in test_ring_state.cpp);
 //   - counts beyond capacity or limits, length fields whose products overflow 64 bits;
 //   - bad cells (sequence ids, positions, shifts, duplicates where impossible), bad
@@ -123,7 +123,7 @@ TEST_CASE("magic, version, kind, flags and trailing bytes") {
     expect_refused(patched<std::uint32_t>(b, off::kind, 7), true, errc::unsupported, "kind 7");
     expect_refused(patched<std::uint32_t>(b, off::flags, 2), true, errc::unsupported, "only bit 0");
     expect_refused(patched<std::uint32_t>(b, off::flags, 0x80000001u), true, errc::unsupported, "flags");
-    expect_refused(patched<std::uint32_t>(b, off::reserved, 1), true, errc::unsupported, "reserved");
+    expect_refused(patched<std::uint32_t>(b, off::rope_ext, 1), true, errc::shape_mismatch, "rope scaling word");
     auto x = b;
     x.push_back(std::byte{0});
     expect_refused(x, true, errc::trailing_bytes, "after its end");

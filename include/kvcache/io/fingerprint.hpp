@@ -17,6 +17,7 @@
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 #include "../tokens/token.hpp"
+#include "detail/xxhash.hpp"
 #include "format.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -64,10 +65,56 @@ inline std::optional<std::string> check_tokens(std::span<const token_t> tokens, 
 }
 
 /// Everything the bytes depend on besides the cells (the fingerprint of format.hpp).
+/// rope_ext is the header's rope-scaling word (offset 76, see format.hpp), not part of the
+/// 48-byte fingerprint block.
 struct fingerprint {
     std::uint32_t n_layer, n_head_kv, head_dim_k, head_dim_v, type_id, elem_size;
     std::uint32_t rope_type, n_rot, freq_base_bits, freq_scale_bits, layout_id, window;
+    std::uint32_t rope_ext;
 };
+
+/// The rope-scaling word: 0 when the RoPE uses nothing beyond type, freq_base, freq_scale
+/// and n_rot (every state written before the word existed), else a nonzero 32-bit hash of
+/// the fields in use: ntk_alpha, attn_factor, scaling, and for the selected scaling
+/// n_ctx_orig, its parameters (yarn / llama3) and its factor tables (freq_factors, or
+/// short_factors and long_factors), each as f32 bits with the table sizes. Fields of a
+/// scaling not selected are left out, so they never make two equal RoPEs differ.
+inline std::uint32_t rope_ext_word(const rope_params& r) noexcept {
+    if (!r.extended()) return 0;
+    hasher h;  // XXH3-64 of the fields in use, in this order
+    auto put_u32 = [&](std::uint32_t v) { h.update(&v, 4); };
+    auto put_f32 = [&](float v) { h.update(&v, 4); };
+    auto put_table = [&](const rope_factors& t) {
+        put_u32(static_cast<std::uint32_t>(t.size()));
+        if (!t.empty()) h.update(t.data(), t.size() * 4);
+    };
+    put_u32(1);  // version of this encoding
+    put_f32(r.ntk_alpha);
+    put_f32(r.attn_factor);
+    put_u32(static_cast<std::uint32_t>(r.scaling));
+    if (r.scaling != rope_scaling::none) put_u32(r.n_ctx_orig);
+    switch (r.scaling) {
+        case rope_scaling::yarn:
+            put_f32(r.yarn.ext_factor);
+            put_f32(r.yarn.beta_fast);
+            put_f32(r.yarn.beta_slow);
+            put_table(r.freq_factors);
+            break;
+        case rope_scaling::llama3:
+            put_f32(r.llama3.factor);
+            put_f32(r.llama3.low_freq_factor);
+            put_f32(r.llama3.high_freq_factor);
+            break;
+        case rope_scaling::longrope:
+            put_table(r.short_factors);
+            put_table(r.long_factors);
+            break;
+        default: put_table(r.freq_factors);
+    }
+    const std::uint64_t d = h.digest();
+    const auto w = static_cast<std::uint32_t>(d ^ (d >> 32));
+    return w == 0 ? 1u : w;
+}
 
 /// The attention window of a layout (0 when it keeps every cell).
 template <class Cache>
@@ -94,6 +141,7 @@ fingerprint fingerprint_of(const Cache& cache) noexcept {
     std::memcpy(&f.freq_scale_bits, &s.rope.freq_scale, 4);
     f.layout_id = static_cast<std::uint32_t>(Cache::layout::layout_id);
     f.window = layout_window(cache);
+    f.rope_ext = rope_ext_word(s.rope);
     return f;
 }
 
@@ -136,6 +184,12 @@ inline constexpr fp_field fingerprint_fields[] = {
 };
 static_assert(sizeof(fingerprint_fields) / sizeof(fp_field) * 4 == off::seq - off::n_layer,
               "the fingerprint table must cover the header's fingerprint bytes");
+
+/// The rope-scaling word at off::rope_ext (after seq): written by write_state, checked
+/// equal by parse_state (a state saved with one RoPE scaling is refused by a cache with
+/// another; a state of plain RoPE has 0 there, as every state before the word existed).
+inline constexpr fp_field rope_ext_field = {&fingerprint::rope_ext, "rope scaling word", errc::shape_mismatch,
+                                            fp_rule::exact};
 
 }  // namespace detail
 

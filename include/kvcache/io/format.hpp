@@ -15,7 +15,9 @@
 //                freq_scale (f32 bits), layout_id (informational: states load across
 //                layouts), window (0 = none; checked only when state and cache both have one)
 //   72     4     seq: the saved sequence for kind 1, -1 for kind 0
-//   76     4     reserved (0)
+//   76     4     rope scaling word: 0 for plain RoPE (type, freq_base, freq_scale, n_rot
+//                only), else a nonzero hash of the other rope_params fields in use
+//                (io/fingerprint.hpp rope_ext_word); must equal the cache's
 //   80     8     n_tokens
 //   88     8     n_media
 //   96     8     n_cells
@@ -40,6 +42,10 @@
 // Cells appear in the order of their cell index in the saved cache; the K/V of
 // saved cell i is tile i/16, lane i%16 (K) and row i (V).
 //
+// The rope scaling word came after the first version 1 files, in what was a reserved
+// field that had to be 0: every state of plain RoPE is byte-identical to those and they
+// all still load; a library from before the word refuses a state of scaled RoPE
+// (reserved field not 0), as it must.
 // The pruning table came after the first version 1 files: a state without pruning
 // points is byte-identical to those (flags 0) and every version 1 file still loads.
 // A ring loading a state takes its pruning points back (positions below them stay
@@ -91,7 +97,7 @@ inline constexpr std::size_t magic = 0, version = 4, total_size = 8, kind = 16, 
 inline constexpr std::size_t n_layer = 24, n_head_kv = 28, head_dim_k = 32, head_dim_v = 36;
 inline constexpr std::size_t type_id = 40, elem_size = 44, rope_type = 48, n_rot = 52;
 inline constexpr std::size_t freq_base = 56, freq_scale = 60, layout_id = 64, window = 68;
-inline constexpr std::size_t seq = 72, reserved = 76, n_tokens = 80, n_media = 88, n_cells = 96;
+inline constexpr std::size_t seq = 72, rope_ext = 76, n_tokens = 80, n_media = 88, n_cells = 96;
 }  // namespace off
 
 /// a * b, or nothing when it overflows 64 bits.

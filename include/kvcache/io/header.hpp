@@ -32,7 +32,7 @@ struct state_header {
     std::uint32_t flags = 0;  ///< state_flag_*
     fingerprint fp{};         ///< what the bytes depend on besides the cells
     std::int32_t seq = -1;    ///< the saved sequence (kind 1), -1 (kind 0)
-    std::uint32_t reserved = 0;
+    std::uint32_t rope_ext = 0;  ///< rope scaling word (fingerprint.hpp rope_ext_word; 0 = plain RoPE)
     std::uint64_t n_tokens = 0, n_media = 0, n_cells = 0;
 };
 
@@ -94,8 +94,13 @@ inline maybe_problem seq(const state_header& h, const header_expect&) {
     return std::nullopt;
 }
 
-inline maybe_problem reserved(const state_header& h, const header_expect&) {
-    if (h.reserved != 0) return parse_problem{errc::unsupported, "reserved field = " + hex(h.reserved) + ", must be 0"};
+inline maybe_problem rope_ext(const state_header& h, const header_expect& e) {
+    if (h.rope_ext != e.fp.*rope_ext_field.member)
+        return parse_problem{rope_ext_field.code,
+                             std::string(rope_ext_field.name) + " = " + hex(h.rope_ext) + " in the state, the cache has " +
+                                 hex(e.fp.*rope_ext_field.member) +
+                                 " (0 = plain RoPE): saved with other RoPE scaling (rope_params ntk_alpha, attn_factor, "
+                                 "scaling, n_ctx_orig, yarn, llama3, factor tables)"};
     return std::nullopt;
 }
 
@@ -121,7 +126,7 @@ inline constexpr auto header_fields = std::tuple{
     header_field<std::uint32_t>{&state_header::flags, "flags", &rules::flags},
     fingerprint_block{},
     header_field<std::int32_t>{&state_header::seq, "seq", &rules::seq},
-    header_field<std::uint32_t>{&state_header::reserved, "reserved", &rules::reserved},
+    header_field<std::uint32_t>{&state_header::rope_ext, "rope scaling word", &rules::rope_ext},
     header_field<std::uint64_t>{&state_header::n_tokens, "n_tokens", &rules::n_tokens},
     header_field<std::uint64_t>{&state_header::n_media, "n_media", &rules::n_media},
     header_field<std::uint64_t>{&state_header::n_cells, "n_cells", nullptr},  // against room: parse.hpp

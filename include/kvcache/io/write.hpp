@@ -92,6 +92,7 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
     h.flags = pruning.empty() ? 0u : state_flag_pruning;
     h.fp = f;
     h.seq = seq < 0 ? -1 : seq;
+    h.rope_ext = f.rope_ext;
     h.n_tokens = tokens.size();
     h.n_media = media.size();
     h.n_cells = cells.size();

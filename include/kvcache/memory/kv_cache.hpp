@@ -357,7 +357,8 @@ public:
     /// A cell shared with another sequence is split first (the moving sequence gets its own
     /// copy of the K/V), so other sequences never see the move; needs one free cell per split
     /// (an errc::no_space result otherwise, nothing changed). Error result unsupported when
-    /// the layout refuses (ring: pruned positions). Throws unsupported when the layout can
+    /// the layout refuses (ring: pruned positions) or a cell would cross LongRoPE's
+    /// rope.n_ctx_orig (rope_params::shift_exact). Throws unsupported when the layout can
     /// never move positions (can_shift == false), invalid_argument past position 2^31-1.
     [[nodiscard]] result<void> seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
         check_no_tx("seq_add");
@@ -525,6 +526,16 @@ private:
             if (np == cells_.pos(c)) continue;
             hit.push_back(c);
             if (s >= 0 && np >= 0 && cells_.seqs(c).count() > 1) ++splits;
+        }
+        for (std::uint32_t c : hit) {  // LongRoPE: K rotated with one table cannot move to the other's positions
+            const std::int64_t from = std::int64_t{cells_.pos(c)} - cells_.shift(c), np = f(cells_.pos(c));
+            if (np >= 0 && !shape_.rope.shift_exact(from, np))
+                return detail::make_error(errc::unsupported,
+                                          std::string(fn) + ": position " + std::to_string(cells_.pos(c)) +
+                                              " (K rotated at " + std::to_string(from) + ") would move to " +
+                                              std::to_string(np) + ", across LongRoPE's n_ctx_orig = " +
+                                              std::to_string(shape_.rope.n_ctx_orig) +
+                                              " where the factor table changes; the K-shift cannot make that exact");
         }
         if constexpr (has_capability<storage_t, layout_caps::seq_shift_check>)
             if (result<void> r = storage_.check_seq_shift(cells_, fn, s, lo, hi, f); !r)

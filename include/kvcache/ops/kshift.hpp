@@ -5,6 +5,7 @@
 #include <algorithm>  // std::sort, std::unique, std::lower_bound
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
+#include <string>     // messages
 #include <vector>     // per-call tables
 
 #include "../config.hpp"
@@ -25,38 +26,65 @@ namespace detail_kshift {
 /// The per-call plan: distinct deltas with their cos/sin tables, and the tiles that move.
 struct plan {
     std::uint32_t n_rot = 0, n_pairs = 0;
-    std::vector<std::int32_t> deltas;           // distinct non-zero deltas, sorted
+    std::vector<std::int64_t> deltas;           // distinct keys 2 * delta + long_table, sorted
     std::vector<float> cos_tab, sin_tab;        // [delta index][pair]
     std::vector<kernels::tile_rotation> tiles;  // tiles with at least one moving cell
     std::vector<float> lane_cos, lane_sin;      // [mixed tile][pair][k_tile]
 };
 
+// Tables: the rotation by delta d with the frequencies the key was rotated with, and no
+// magnitude (attn_factor / YaRN mscale): K already carries it once (rope_rows), and a
+// rotation by d composes with the rotation at p as R(d) R(p) = R(p + d) for every
+// variant whose frequencies do not depend on the position. LongRoPE's do (short_factors
+// below n_ctx_orig, long_factors from it): a key moves exactly only within one side, with
+// that side's table, so a table is one per distinct (delta, side); kv_cache::seq_add /
+// seq_div refuse moves across (errc::unsupported result), and a pending move across
+// reaching the K-shift (it cannot come from those) throws unsupported before any change.
 template <class Cache>
 plan make_plan(const Cache& cache, int n_threads) {
     plan pl;
     const model_shape& shape = cache.shape();
+    const rope_params& rope = shape.rope;
     pl.n_rot = shape.n_rot();
     pl.n_pairs = pl.n_rot / 2;
     const std::uint32_t n = cache.n_window();
     const std::int32_t* shift = cache.cells().shift_data();
     const pos_t* pos = cache.cells().pos_data();
-    for (std::uint32_t c = 0; c < n; ++c)
-        if (pos[c] >= 0 && shift[c] != 0) pl.deltas.push_back(shift[c]);
+    auto key_of = [&](std::uint32_t c) {
+        return std::int64_t{shift[c]} * 2 + (rope.uses_long_factors(pos[c]) ? 1 : 0);
+    };
+    for (std::uint32_t c = 0; c < n; ++c) {
+        if (pos[c] < 0 || shift[c] == 0) continue;
+        const std::int64_t from = std::int64_t{pos[c]} - shift[c];
+        if (!rope.shift_exact(from, pos[c]))
+            kvcache::detail::fail(errc::unsupported,
+                                  "apply_k_shift: cell " + std::to_string(c) + " moved from position " +
+                                      std::to_string(from) + " to " + std::to_string(pos[c]) +
+                                      " across LongRoPE's n_ctx_orig = " + std::to_string(rope.n_ctx_orig) +
+                                      " (its factor table changes there; no rotation turns one into the other)");
+        pl.deltas.push_back(key_of(c));
+    }
     std::sort(pl.deltas.begin(), pl.deltas.end());
     pl.deltas.erase(std::unique(pl.deltas.begin(), pl.deltas.end()), pl.deltas.end());
     const auto n_deltas = static_cast<std::int64_t>(pl.deltas.size());
-    std::vector<double> inv_freq(pl.n_pairs);
-    for (std::uint32_t i = 0; i < pl.n_pairs; ++i) inv_freq[i] = kernels::rope_inv_freq(shape.rope, pl.n_rot, i);
+    const bool two_tables = rope.scaling == rope_scaling::longrope;
+    std::vector<double> inv_freq(std::size_t{pl.n_pairs} * (two_tables ? 2 : 1));  // [short | long]
+    kernels::rope_inv_freqs(rope, pl.n_rot, false, inv_freq.data());
+    if (two_tables) kernels::rope_inv_freqs(rope, pl.n_rot, true, inv_freq.data() + pl.n_pairs);
     pl.cos_tab.resize(pl.deltas.size() * pl.n_pairs);
     pl.sin_tab.resize(pl.deltas.size() * pl.n_pairs);
     const int threads = resolve_threads(n_threads);
     static_cast<void>(threads);
     // Each distinct delta's table once (costly only when there are many distinct deltas).
     KVCACHE_OMP(parallel for schedule(static) num_threads(threads) if (n_deltas > 64))
-    for (std::int64_t k = 0; k < n_deltas; ++k)
-        kernels::rope_cos_sin(pl.deltas[static_cast<std::size_t>(k)], inv_freq.data(), pl.n_pairs,
-                              pl.cos_tab.data() + k * pl.n_pairs, pl.sin_tab.data() + k * pl.n_pairs);
-    auto index_of = [&](std::int32_t d) {
+    for (std::int64_t k = 0; k < n_deltas; ++k) {
+        const std::int64_t key = pl.deltas[static_cast<std::size_t>(k)];
+        const std::int64_t delta = key >> 1;  // floor: 2 * delta + side with side in {0, 1}
+        const double* w = inv_freq.data() + ((key & 1) != 0 ? pl.n_pairs : 0);
+        kernels::rope_cos_sin(delta, w, pl.n_pairs, pl.cos_tab.data() + k * pl.n_pairs,
+                              pl.sin_tab.data() + k * pl.n_pairs);
+    }
+    auto index_of = [&](std::int64_t d) {
         return static_cast<std::uint32_t>(std::lower_bound(pl.deltas.begin(), pl.deltas.end(), d) - pl.deltas.begin());
     };
     const std::uint32_t n_tiles = (n + k_tile - 1) / k_tile;
@@ -64,13 +92,13 @@ plan make_plan(const Cache& cache, int n_threads) {
     for (std::uint32_t t = 0; t < n_tiles; ++t) {
         kernels::tile_rotation rot;
         rot.tile = t;
-        std::int32_t first = 0;
+        std::int64_t first = 0;
         bool uniform = true;
         for (std::uint32_t j = 0; j < k_tile; ++j) {
             const std::uint32_t c = t * k_tile + j;
             if (c >= n || pos[c] < 0 || shift[c] == 0) continue;
-            if (rot.mask == 0) first = shift[c];
-            uniform = uniform && shift[c] == first;
+            if (rot.mask == 0) first = key_of(c);
+            uniform = uniform && key_of(c) == first;
             rot.mask |= tile_mask{1} << j;
         }
         if (rot.mask == 0) continue;
@@ -84,7 +112,7 @@ plan make_plan(const Cache& cache, int n_threads) {
             pl.lane_sin.resize(base + std::size_t{pl.n_pairs} * k_tile, 0.0f);
             for (std::uint32_t j = 0; j < k_tile; ++j) {
                 if (!((rot.mask >> j) & 1u)) continue;
-                const std::uint32_t k = index_of(shift[t * k_tile + j]);
+                const std::uint32_t k = index_of(key_of(t * k_tile + j));
                 for (std::uint32_t i = 0; i < pl.n_pairs; ++i) {
                     pl.lane_cos[base + std::size_t{i} * k_tile + j] = pl.cos_tab[std::size_t{k} * pl.n_pairs + i];
                     pl.lane_sin[base + std::size_t{i} * k_tile + j] = pl.sin_tab[std::size_t{k} * pl.n_pairs + i];
@@ -109,6 +137,10 @@ plan make_plan(const Cache& cache, int n_threads) {
 /// with n = cache.n_window() (F8), and only the cells that move. Each distinct delta's
 /// cos/sin table is computed once (in double, accurate for deltas up to 2^31) and shared
 /// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
+/// Every RoPE variant of rope_params: the tables rotate by the angle of the delta with the
+/// frequencies K was rotated with, never by the magnitude attn_factor (see make_plan).
+/// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
+/// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
 template <class Cache>
 void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
     static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
