@@ -173,6 +173,14 @@ public:
         check_seq("seq_pos_max", "seq_id", s, false);
         return cells_.seq_pos_max(s);
     }
+    /// Generation of sequence s: changes (to a value never returned before in the process)
+    /// with every change of the cells s holds (placement, restore, every sequence operation,
+    /// clear, state loads, defragmentation moves); equal values mean s holds the same cells
+    /// at the same positions. Not changed by K/V writes or applying a K-shift.
+    [[nodiscard]] std::uint64_t seq_generation(seq_id_t s) const {
+        check_seq("seq_generation", "seq_id", s, false);
+        return cells_.seq_generation(s);
+    }
 
     /// Reads one cell's K (or V) row of a layer back as floats: n_head_kv x head_dim values.
     void read_k(std::uint32_t layer, std::uint32_t cell, float* row) const {
