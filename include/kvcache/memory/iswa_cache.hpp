@@ -65,6 +65,7 @@ struct iswa_placement {
 
 /// ISWA cache: full-attention layers in kv_cache<Policies...>, sliding-window layers in
 /// a ring<Window> cache of the same element type (see the file comment).
+/// Thread safety: as basic_kv_cache (concurrent const calls safe, mutation exclusive).
 template <std::uint32_t Window, class... Policies>
 class iswa_cache {
 public:

@@ -72,6 +72,9 @@ using kv_cache = typename detail::compose_cache<Policies...>::type;
 
 /// The KV cache with its policies in canonical order (use kv_cache<Policies...> to name
 /// it): cell metadata (cells/) + K/V storage (layout policy) + policies.
+/// Thread safety: like a standard container. Concurrent const calls (queries, attention,
+/// io::save_*) are safe; a mutating call (place, commit, restore, write_k/v, sequence
+/// operations, K-shift, defrag, loads) needs exclusive access. Distinct caches are independent.
 template <class Element, class Layout, class Reuse>
 class basic_kv_cache {
 public:

@@ -94,7 +94,8 @@ std::vector<std::uint32_t> seq_cells_by_pos(const Cache& cache, seq_id_t s) {
 }  // namespace detail
 
 /// Copies an entry's K/V out of the cache (raw storage elements, bit-exact) and back in,
-/// layers in parallel (OpenMP) for large entries.
+/// layers in parallel (OpenMP) for large entries. Thread safety: stateless; save reads the
+/// cache (safe beside other const calls), load changes it (exclusive access).
 template <class Cache>
 class copy_store {
     static_assert(kv_memory<Cache>, "kvcache: copy_store<Cache> needs a kvcache::kv_memory (one K/V cache; use "
@@ -247,6 +248,7 @@ public:
 
 /// Keeps entries as extra sequences of the same cache that share the cells (no copy).
 /// Sequence ids [first_seq, first_seq + n_seq) are reserved for entries; the host must not use them.
+/// Thread safety: not thread-safe (save, load and release change the cache and the free list).
 template <class Cache>
 class shared_store {
     static_assert(memory<Cache>, "kvcache: shared_store<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");

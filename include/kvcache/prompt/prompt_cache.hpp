@@ -247,6 +247,8 @@ struct entry_options {
 
 /// The global prompt cache for cache type Cache. Store keeps the K/V state
 /// (copy_store, state_store or shared_store), Eviction orders evictions (reuse::evict_lru, ...).
+/// Thread safety: not thread-safe, find() included (it counts); only const calls (select,
+/// metrics, tokens_of, ...) may run concurrently with each other.
 template <class Cache, class Store = copy_store<Cache>, class Eviction = reuse::evict_lru>
 class prompt_cache {
     static_assert(memory<Cache>, "kvcache: prompt_cache<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");

@@ -113,6 +113,8 @@ using default_entry_store = std::conditional_t<composite_memory<Cache>, state_st
 /// SWA checkpoints from iswa_cache::window), with the reuse policy of Cache and, for
 /// reuse::global, a global prompt cache whose entries are kept by Store (copy_store,
 /// state_store or shared_store).
+/// Thread safety: not thread-safe; one thread at a time for the manager and its cache
+/// (see the file comment).
 template <class Cache, class Store = default_entry_store<Cache>>
 class slot_manager {
     static_assert(memory<Cache>, "kvcache: slot_manager<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
