@@ -296,6 +296,7 @@ public:
                     s.checkpoints = std::move(got.value().checkpoints);
                     s.hits = got.value().hits;
                     from_global = true;
+                    source = &s.tokens;  // the entry left the cache
                 } else {
                     unpark(seq, parked);
                     if (got.code() == errc::invalid_cell)
@@ -318,6 +319,9 @@ public:
         }
         if constexpr (Cache::can_shift)
             if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
+        // The reuse stopped at a media position of both the request and its source.
+        const bool media_stop = plan.n_past < source->size() && (*source)[plan.n_past] == null_token &&
+                                request.chunk_at(plan.n_past) != nullptr;
         s.tokens = request;
         s.tokens.keep_first(plan.n_past);
         std::erase_if(s.checkpoints, [&](checkpoint& ck) {
@@ -331,7 +335,7 @@ public:
         (from_global ? out.metrics.from_global : out.metrics.from_slot) = kept;
         out.metrics.from_shift = plan.n_shifted();
         out.metrics.computed = plan.n_compute();
-        out.metrics.miss = miss_of(request, *source, plan.n_past, load_failed, lost_invalid, swa_cut, lost_salt,
+        out.metrics.miss = miss_of(request, plan.n_past, load_failed, lost_invalid, swa_cut, lost_salt, media_stop,
                                    reuse_on, ro.salt);
         count(out.metrics);
         out.n_past = plan.n_past;
@@ -590,9 +594,8 @@ private:
     }
 
     /// The first reason (miss_reason order) why the request reused n_past tokens and not more.
-    miss_reason miss_of(const prompt_tokens& request, const prompt_tokens& source, std::uint32_t n_past,
-                        bool load_failed, std::size_t lost_invalid, bool swa_cut, std::size_t lost_salt,
-                        bool reuse_on, std::uint64_t salt) const {
+    miss_reason miss_of(const prompt_tokens& request, std::uint32_t n_past, bool load_failed, std::size_t lost_invalid,
+                        bool swa_cut, std::size_t lost_salt, bool media_stop, bool reuse_on, std::uint64_t salt) const {
         if (!reuse_on) return miss_reason::none;
         const std::size_t cap = request.size() - 1;  // the last position is always computed (its logits)
         auto lost = [&](std::size_t could) { return std::min(could, cap) > n_past; };
@@ -600,8 +603,7 @@ private:
         if (lost(lost_invalid)) return miss_reason::invalidated;
         if (swa_cut) return miss_reason::swa;
         if (lost(lost_salt)) return miss_reason::salt;
-        if (n_past < cap && request.chunk_at(n_past) != nullptr && n_past < source.size() && source[n_past] == null_token)
-            return miss_reason::media;
+        if (n_past < cap && media_stop) return miss_reason::media;
         if constexpr (uses_global)
             if (lost(global_->evicted_lcp(request, salt))) return miss_reason::evicted;
         static_cast<void>(salt);
