@@ -298,12 +298,18 @@ public:
                     from_global = true;
                     source = &s.tokens;  // the entry left the cache
                 } else {
-                    unpark(seq, parked);
                     if (got.code() == errc::invalid_cell)
                         lost_invalid = std::max<std::size_t>(lost_invalid, plan.n_past);
                     else
                         load_failed = true;
-                    plan = own_plan;
+                    if constexpr (can_park) {
+                        unpark(seq, parked);
+                        plan = own_plan;
+                    } else {  // a memory whose cells slots cannot reach: the state is gone
+                        drop_state(s, seq);
+                        plan = reuse::plan{};
+                        plan.n_request = out.n_request;
+                    }
                     source = &s.tokens;
                 }
             }
@@ -535,12 +541,15 @@ private:
         else return true;
     }
 
+    /// Whether a failed global load can put the slot's own state back: the cells are
+    /// reachable (kv_memory, or a composite memory of kv_memory parts).
+    static constexpr bool can_park = kv_memory<Cache> || composite_memory<Cache>;
     /// Calls f on each cell-indexed part of the cache (the cache itself, or an iswa_cache's two).
     template <class F>
     void for_each_kv_part(F&& f) {
         if constexpr (kv_memory<Cache>)
             f(*cache_);
-        else
+        else if constexpr (composite_memory<Cache>)
             cache_->for_each_part(detail::internal_access{}, f);
     }
     struct parked_cell {
