@@ -208,7 +208,9 @@ public:
     /// false; thrown before the cache or the slots change), transaction_open. Returns an error
     /// result, nothing changed, when every slot is busy (no_space). When the selected global
     /// entry cannot be loaded (no room, invalidated) the slot keeps its own state and reuses
-    /// from it (miss reason load_failed or invalidated, no hit counted). When the cache cannot
+    /// from it (miss reason load_failed or invalidated, no hit counted; the policy is then
+    /// asked a second time, and a plan check_plan refuses throws with the slot's own state
+    /// back in place). When the cache cannot
     /// take the plan (reuse::apply_plan refuses: no free cell to split shared cells, positions a
     /// ring pruned) the slot's state is dropped and the whole request is computed (n_past 0).
     [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
@@ -268,14 +270,13 @@ public:
             }
             return p;
         };
-        reuse::plan own_plan = make_plan(own);
-        reuse::plan plan = own_plan;
+        // The policy is asked once per request (it may keep state): for the entry when one
+        // was selected, else for the slot's own state; a second time, for the slot's own
+        // state, only when the entry cannot be loaded.
         const prompt_tokens* source = &own;  // tokens the applied plan was made against
         if constexpr (uses_global)
-            if (pick) {
-                source = global_->tokens_of(*pick);
-                plan = make_plan(*source);
-            }
+            if (pick) source = global_->tokens_of(*pick);
+        reuse::plan plan = make_plan(*source);
         // What the best state of another tenant (never reused) would have given.
         std::size_t lost_salt = 0;
         for (const slot& t : slots_)
@@ -304,7 +305,7 @@ public:
                         load_failed = true;
                     if constexpr (can_park) {
                         unpark(seq, parked);
-                        plan = own_plan;
+                        plan = make_plan(own);  // a refused plan throws now: the slot holds its own state again
                     } else {  // a memory whose cells slots cannot reach: the state is gone
                         drop_state(s, seq);
                         plan = reuse::plan{};
