@@ -313,6 +313,12 @@ TEST_CASE("slots on a ring layout with n_swa = 0 take the ring's window (slot it
     toy::fill(cache, r.seq, p, 0, 40);
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
+    r = slots.prepare(p).value();  // an exact repeat re-enters at 39, whose window needs position 31: dropped
+    CHECK(r.n_past == 0);
+    CHECK(r.metrics.miss == miss_reason::swa);
+    toy::fill(cache, r.seq, p, 0, 40);
+    slots.commit_prompt(r.slot);
+    slots.release(r.slot);
     const prompt_tokens q = cat(toy::text(30), toy::text(10, 7000));
     r = slots.prepare(q).value();  // the window forgot position 22 and there is no checkpoint
     CHECK(r.n_past == 0);
@@ -320,7 +326,7 @@ TEST_CASE("slots on a ring layout with n_swa = 0 take the ring's window (slot it
     toy::fill(cache, r.seq, q, 0, q.size());
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
-    CHECK(slots.metrics().misses_for(miss_reason::swa) == 1);
+    CHECK(slots.metrics().misses_for(miss_reason::swa) == 2);
 }
 
 TEST_CASE("metrics: miss reasons salt, evicted, media") {
