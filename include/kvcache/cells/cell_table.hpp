@@ -89,7 +89,7 @@ public:
     };
 
     cell_table(std::uint32_t n_cells, std::uint32_t n_seq_max)
-        : pos_(n_cells, -1), shift_(n_cells, 0), seqs_(n_cells), seq_pos_(n_seq_max) {}
+        : pos_(n_cells, -1), shift_(n_cells, 0), seqs_(n_cells), seq_pos_(n_seq_max), seq_gen_(n_seq_max, 0) {}
 
     [[nodiscard]] std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(pos_.size()); }
     [[nodiscard]] std::uint32_t n_seq_max() const noexcept { return static_cast<std::uint32_t>(seq_pos_.size()); }
@@ -150,6 +150,12 @@ public:
     /// saw the same content. Attention keys its per-tile summaries on it and rebuilds them
     /// once per change instead of once per layer.
     [[nodiscard]] std::uint64_t stamp() const noexcept { return stamp_.v; }
+
+    /// Generation of sequence s: the content stamp of the table's last change of the cells
+    /// s holds (a cell added to or removed from s, a position of s moved, clear()); 0 if s
+    /// never changed. Equal generations mean s still holds the same cells at the same
+    /// positions. Prompt-cache entries and slot states record it to detect changes under them.
+    [[nodiscard]] std::uint64_t seq_generation(seq_id_t s) const noexcept { return seq_gen_[static_cast<std::size_t>(s)]; }
 
     // --- mutations (preconditions asserted; the cache validates arguments first) ---
 
@@ -233,6 +239,7 @@ public:
         }
         used_.clear();
         for (auto& m : seq_pos_) m.clear();
+        for (auto& g : seq_gen_) g = stamp_.v;
         n_shifted_ = 0;
         if (obs_.p != nullptr) obs_.p->on_cleared();
     }
@@ -248,6 +255,7 @@ private:
     // Membership changes of cell c; move_pos passes no cell (membership is unchanged).
     void index_add(seq_id_t s, pos_t p, std::uint32_t c = no_cell) {
         ++seq_pos_[static_cast<std::size_t>(s)][p];
+        seq_gen_[static_cast<std::size_t>(s)] = stamp_.v;  // every caller touch()ed first
         if (obs_.p != nullptr && c != no_cell) obs_.p->on_seq_added(c, s);
     }
     void index_rm(seq_id_t s, pos_t p, std::uint32_t c = no_cell) {
@@ -255,6 +263,7 @@ private:
         auto it = m.find(p);
         KVCACHE_ASSERT(it != m.end());
         if (--it->second == 0) m.erase(it);
+        seq_gen_[static_cast<std::size_t>(s)] = stamp_.v;  // every caller touch()ed first
         if (obs_.p != nullptr && c != no_cell) obs_.p->on_seq_removed(c, s);
     }
     static constexpr std::uint32_t no_cell = ~std::uint32_t{0};
@@ -264,6 +273,7 @@ private:
     std::vector<seq_set> seqs_;         // empty exactly for free cells
     std::set<std::uint32_t> used_;      // exactly the cells with pos >= 0
     std::vector<std::map<pos_t, std::uint32_t>> seq_pos_;  // per sequence: position -> cell count
+    std::vector<std::uint64_t> seq_gen_;  // per sequence: stamp_ of its last change (seq_generation)
     std::uint32_t n_shifted_ = 0;       // cells with shift != 0
     detail::observer_slot obs_;         // not owned; told about every membership change
     detail::stamp_slot stamp_;          // changes with every change of pos_ or seqs_

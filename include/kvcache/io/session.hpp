@@ -1,5 +1,7 @@
 // kvcache io: session files, a memory's state (io/state.hpp) in a file written
 // atomically (io/file.hpp). Included by io/state.hpp, whose API these functions extend.
+// Thread safety: save_* only read the memory (safe beside other const calls on it); load_*
+// change it (exclusive access). Two threads must not write the same path at once.
 #pragma once
 
 #include <algorithm>   // std::min

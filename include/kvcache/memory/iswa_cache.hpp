@@ -27,6 +27,7 @@
 // (io/composite.hpp: both parts or neither), slot_manager (SWA checkpoints from `window`).
 #pragma once
 
+#include <algorithm>  // std::max
 #include <cstdint>  // fixed-width integers
 #include <limits>   // position limits
 #include <span>     // batch inputs
@@ -64,6 +65,7 @@ struct iswa_placement {
 
 /// ISWA cache: full-attention layers in kv_cache<Policies...>, sliding-window layers in
 /// a ring<Window> cache of the same element type (see the file comment).
+/// Thread safety: as basic_kv_cache (concurrent const calls safe, mutation exclusive).
 template <std::uint32_t Window, class... Policies>
 class iswa_cache {
 public:
@@ -113,6 +115,11 @@ public:
     /// Sequence extent: the full cache holds every position the ring holds and more.
     [[nodiscard]] pos_t seq_pos_min(seq_id_t s) const { return full_.seq_pos_min(s); }
     [[nodiscard]] pos_t seq_pos_max(seq_id_t s) const { return full_.seq_pos_max(s); }
+    /// Generation of sequence s over both caches (see basic_kv_cache::seq_generation): the
+    /// larger of the two, so any change in either gives a value never returned before.
+    [[nodiscard]] std::uint64_t seq_generation(seq_id_t s) const {
+        return std::max(full_.seq_generation(s), swa_.seq_generation(s));
+    }
     [[nodiscard]] bool in_transaction() const noexcept { return full_.in_transaction(); }
     /// Smallest position of s the sliding-window part still holds (-1: none): where a
     /// prefix can be re-entered without a checkpoint (slot_manager, F23).

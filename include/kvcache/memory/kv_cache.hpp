@@ -72,6 +72,9 @@ using kv_cache = typename detail::compose_cache<Policies...>::type;
 
 /// The KV cache with its policies in canonical order (use kv_cache<Policies...> to name
 /// it): cell metadata (cells/) + K/V storage (layout policy) + policies.
+/// Thread safety: like a standard container. Concurrent const calls (queries, attention,
+/// io::save_*) are safe; a mutating call (place, commit, restore, write_k/v, sequence
+/// operations, K-shift, defrag, loads) needs exclusive access. Distinct caches are independent.
 template <class Element, class Layout, class Reuse>
 class basic_kv_cache {
 public:
@@ -172,6 +175,14 @@ public:
     [[nodiscard]] pos_t seq_pos_max(seq_id_t s) const {
         check_seq("seq_pos_max", "seq_id", s, false);
         return cells_.seq_pos_max(s);
+    }
+    /// Generation of sequence s: changes (to a value never returned before in the process)
+    /// with every change of the cells s holds (placement, restore, every sequence operation,
+    /// clear, state loads, defragmentation moves); equal values mean s holds the same cells
+    /// at the same positions. Not changed by K/V writes or applying a K-shift.
+    [[nodiscard]] std::uint64_t seq_generation(seq_id_t s) const {
+        check_seq("seq_generation", "seq_id", s, false);
+        return cells_.seq_generation(s);
     }
 
     /// Reads one cell's K (or V) row of a layer back as floats: n_head_kv x head_dim values.

@@ -18,6 +18,12 @@
 //   3. result<void> load(C&, seq_id_t dst, const handle&);    dst must be empty; on error dst stays empty
 //   4. std::size_t bytes(const C&, const handle&) const;      bytes the entry accounts for
 //   5. void release(C&, handle&);                             frees what save() took
+// Optional: bool valid(const C&, const handle&) const;  false once the cache changed the
+// cells the entry relies on (shared_store); the prompt cache then drops the entry (metric
+// `invalidated`) instead of serving it. Stores that copy the state out need none.
+//
+// Thread safety: a store is used by the prompt cache / slot manager that owns it, under
+// that owner's rule (one thread at a time, together with the cache); no internal locking.
 #pragma once
 
 #include <algorithm>  // std::sort
@@ -25,6 +31,7 @@
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
 #include <cstring>    // std::memcpy
+#include <span>       // placement positions
 #include <string>     // messages
 #include <type_traits>  // std::is_const_v
 #include <utility>    // std::as_const
@@ -46,7 +53,32 @@ concept entry_store = requires(S& s, const S& cs, C& c, const C& cc, seq_id_t se
     s.release(c, h);
 };
 
+/// Capability of a memory: `seq_generation(s)` changes with every change of the cells
+/// sequence s holds (basic_kv_cache, iswa_cache). Slot states and prompt-cache entries
+/// record it to detect a change under them; a memory without it is checked by the
+/// extent of the sequence (seq_pos_min, seq_pos_max) only.
+template <class M>
+concept tracks_seq_generation = requires(const M& m, seq_id_t s) {
+    { m.seq_generation(s) } -> std::convertible_to<std::uint64_t>;
+};
+
 namespace detail {
+/// What a slot state or entry records about sequence s to detect a change under it.
+template <class M>
+std::uint64_t seq_fingerprint(const M& m, seq_id_t s) {
+    if constexpr (tracks_seq_generation<M>)
+        return static_cast<std::uint64_t>(m.seq_generation(s));
+    else
+        return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(m.seq_pos_min(s))) << 32) ^
+               static_cast<std::uint32_t>(m.seq_pos_max(s));
+}
+
+/// Whether store S can tell that an entry went stale (the optional valid() member).
+template <class S, class C>
+concept checks_entries = requires(const S& s, const C& c, const typename S::handle& h) {
+    { s.valid(c, h) } -> std::convertible_to<bool>;
+};
+
 /// Cells of sequence s in increasing position order.
 template <class Cache>
 std::vector<std::uint32_t> seq_cells_by_pos(const Cache& cache, seq_id_t s) {
@@ -62,7 +94,8 @@ std::vector<std::uint32_t> seq_cells_by_pos(const Cache& cache, seq_id_t s) {
 }  // namespace detail
 
 /// Copies an entry's K/V out of the cache (raw storage elements, bit-exact) and back in,
-/// layers in parallel (OpenMP) for large entries.
+/// layers in parallel (OpenMP) for large entries. Thread safety: stateless; save reads the
+/// cache (safe beside other const calls), load changes it (exclusive access).
 template <class Cache>
 class copy_store {
     static_assert(kv_memory<Cache>, "kvcache: copy_store<Cache> needs a kvcache::kv_memory (one K/V cache; use "
@@ -105,8 +138,15 @@ public:
         return h;
     }
 
-    /// Places the saved cells into the empty sequence dst and writes their K/V back.
+    /// Places the saved cells into the empty sequence dst and writes their K/V back. A
+    /// sequence holding a position in several cells (normal after seq_div) is restored as
+    /// saved. Throws transaction_open while the host has placements staged (loading commits
+    /// its own placement, and must not commit the host's); error results, nothing changed:
+    /// dst not empty (invalid_argument), malformed handle (shape_mismatch), no room (no_space).
     result<void> load(Cache& cache, seq_id_t dst, const handle& h) {
+        if (cache.in_transaction())
+            detail::fail(errc::transaction_open,
+                         "copy_store::load: placements are staged; commit() or restore() them first");
         if (cache.seq_pos_max(dst) >= 0)
             return detail::make_error(errc::invalid_argument,
                                       "copy_store::load: destination sequence " + std::to_string(dst) + " is not empty");
@@ -119,7 +159,20 @@ public:
                                                                 std::to_string(row * h.pos.size() * sh.n_layer));
         if (h.pos.empty()) return {};
         std::vector<seq_id_t> seqs(h.pos.size(), dst);
-        auto placed = cache.place(h.pos, seqs);
+        // A position held twice cannot be placed as is (a batch holds each position of a
+        // sequence once): place at distinct stand-in positions, then set the saved ones.
+        // Only layouts that move positions (can_shift) produce such sequences.
+        const bool repeated = std::adjacent_find(h.pos.begin(), h.pos.end()) != h.pos.end();  // save order is by position
+        std::vector<pos_t> stand_in;
+        if (repeated) {
+            if constexpr (!Cache::can_shift)
+                return detail::make_error(errc::unsupported,
+                                          "copy_store::load: the entry holds a position twice, which a layout "
+                                          "without can_shift cannot hold");
+            stand_in.resize(h.pos.size());
+            for (std::size_t i = 0; i < stand_in.size(); ++i) stand_in[i] = static_cast<pos_t>(i);
+        }
+        auto placed = cache.place(repeated ? std::span<const pos_t>(stand_in) : std::span<const pos_t>(h.pos), seqs);
         if (!placed) return detail::make_error(placed.code(), "copy_store::load: " + placed.message());
         const auto& cells = placed.value().cells;
         const std::size_t per_layer = row * cells.size();
@@ -131,7 +184,10 @@ public:
                             in + static_cast<std::size_t>(l) * per_layer);
         static_cast<void>(cache.commit());
         auto& table = cache.cells_for_update(detail::internal_access{});
-        for (std::size_t i = 0; i < cells.size(); ++i) table.set_shift(cells[i], h.shift[i]);
+        for (std::size_t i = 0; i < cells.size(); ++i) {
+            if (repeated) table.move_pos(cells[i], h.pos[i]);
+            table.set_shift(cells[i], h.shift[i]);
+        }
         return {};
     }
 
@@ -192,14 +248,16 @@ public:
 
 /// Keeps entries as extra sequences of the same cache that share the cells (no copy).
 /// Sequence ids [first_seq, first_seq + n_seq) are reserved for entries; the host must not use them.
+/// Thread safety: not thread-safe (save, load and release change the cache and the free list).
 template <class Cache>
 class shared_store {
     static_assert(memory<Cache>, "kvcache: shared_store<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
 
 public:
-    /// The entry's sequence id.
+    /// The entry's sequence id and the generation (detail::seq_fingerprint) it had when saved.
     struct handle {
         seq_id_t seq = -1;
+        std::uint64_t generation = 0;
     };
 
     shared_store(seq_id_t first_seq, std::uint32_t n_seq) {
@@ -220,10 +278,21 @@ public:
         if (result<void> r = cache.seq_cp(seq, e, -1, -1); !r)  // a layout may refuse (ring: pruned positions)
             return detail::make_error(r.code(), "shared_store::save: " + r.message());
         free_.pop_back();
-        return handle{e};
+        return handle{e, detail::seq_fingerprint(cache, e)};
     }
-    /// Shares the entry's cells with the empty sequence dst.
+    /// Whether the entry's sequence still holds exactly the cells it held when saved (the
+    /// host's seq_rm(-1, ...), seq_keep, clear, seq_add(-1, ...) ... change them).
+    [[nodiscard]] bool valid(const Cache& cache, const handle& h) const {
+        return h.seq >= 0 && detail::seq_fingerprint(cache, h.seq) == h.generation;
+    }
+    /// Shares the entry's cells with the empty sequence dst. Error results, nothing changed:
+    /// dst not empty (invalid_argument), the entry's cells changed under it (invalid_cell),
+    /// seq_cp's refusal.
     result<void> load(Cache& cache, seq_id_t dst, const handle& h) {
+        if (!valid(cache, h))
+            return detail::make_error(errc::invalid_cell, "shared_store::load: the entry's cells (sequence " +
+                                                              std::to_string(h.seq) +
+                                                              ") changed since it was saved; entry invalidated");
         if (cache.seq_pos_max(dst) >= 0)
             return detail::make_error(errc::invalid_argument,
                                       "shared_store::load: destination sequence " + std::to_string(dst) + " is not empty");

@@ -11,15 +11,29 @@
 // Among qualifying entries the one with the longest lcp wins (ties: the shortest
 // entry, i.e. the highest f_keep). Loading moves the entry into the slot (it leaves
 // the cache; the slot saves its state again when released).
+//
+// Entry validation: an entry kept as cells of the cache (shared_store) records the
+// generation of its sequence (detail::seq_fingerprint); once the cache changed those
+// cells (a host seq_rm(-1, ...), seq_keep, clear, ...) the entry is dropped, counted in
+// `invalidated`, and never served: by drop_invalid() (slot_manager calls it before every
+// lookup) and by load().
+//
+// Thread safety: not thread-safe. A prompt_cache, its store and the cache it works on are
+// one unit: use them from one thread at a time (an external mutex around every call,
+// const calls included, is enough). Distinct prompt_caches over distinct caches are
+// independent.
 #pragma once
 
 #include <algorithm>      // std::max
 #include <concepts>       // std::default_initializable
+#include <deque>          // evicted keys, oldest first
 #include <cstddef>        // std::size_t
 #include <cstdint>        // fixed-width integers
 #include <optional>       // lookup result
 #include <set>            // eviction order
-#include <string>         // messages
+#include <span>           // labels
+#include <string>         // messages, Prometheus text
+#include <string_view>    // metric names
 #include <unordered_map>  // entries by id
 #include <utility>        // std::move
 #include <vector>         // checkpoints, key scratch
@@ -50,12 +64,54 @@ struct prompt_cache_limits {
     std::size_t limit_tokens = 0;
 };
 
-/// Cumulative counters, named like vLLM's prefix-cache metrics (prefix_cache_queries, ...).
+/// Why a request reused fewer tokens than it could have (slot_manager; at most one reason
+/// per request, the first that applies in this order).
+enum class miss_reason : std::uint8_t {
+    none = 0,
+    load_failed,  ///< the selected global entry could not be loaded (no room, store error)
+    invalidated,  ///< a slot state or entry matching the request was dropped: its cells changed
+    swa,          ///< the sliding window no longer held the prefix and no checkpoint covered it
+    salt,         ///< another tenant's state matched more (never reused across salts)
+    media,        ///< the reuse stopped at a media chunk (a different or partially matching one)
+    evicted,      ///< an entry evicted earlier would have matched more
+};
+/// Number of miss_reason values (none included).
+inline constexpr std::size_t n_miss_reasons = 7;
+/// Stable name of a reason (Prometheus label value).
+constexpr const char* to_string(miss_reason r) noexcept {
+    switch (r) {
+        case miss_reason::none: return "none";
+        case miss_reason::load_failed: return "load_failed";
+        case miss_reason::invalidated: return "invalidated";
+        case miss_reason::swa: return "swa";
+        case miss_reason::salt: return "salt";
+        case miss_reason::media: return "media";
+        case miss_reason::evicted: return "evicted";
+    }
+    return "?";
+}
+
+/// Cumulative counters. The token counters mean what vLLM's prefix-cache metrics mean:
+/// query_tokens = request tokens (vLLM prefix_cache_queries), hit_tokens = request tokens
+/// whose K/V was reused, i.e. not computed (vLLM prefix_cache_hits); hit rate =
+/// hit_tokens / query_tokens. Token and request counters are counted by slot_manager,
+/// which knows what it reused (a prompt_cache alone leaves them 0); the entry counters by
+/// the prompt_cache.
 struct prefix_cache_metrics {
-    std::uint64_t queries = 0;       ///< lookups
-    std::uint64_t hits = 0;          ///< lookups that selected an entry
-    std::uint64_t query_tokens = 0;  ///< request tokens looked up
-    std::uint64_t hit_tokens = 0;    ///< tokens reused from selected entries (their lcp)
+    // --- requests (slot_manager::prepare) ---
+    std::uint64_t requests = 0;           ///< requests prepared
+    std::uint64_t query_tokens = 0;       ///< request tokens of those requests
+    std::uint64_t hit_tokens = 0;         ///< tokens reused = hit_tokens_slot + _global + _shifted
+    std::uint64_t hit_tokens_slot = 0;    ///< exact-prefix tokens kept from the slot's own state
+    std::uint64_t hit_tokens_global = 0;  ///< exact-prefix tokens kept from a global cache entry
+    std::uint64_t hit_tokens_shifted = 0; ///< approximate hits: chunks moved into place (chunk_shift, F20)
+    std::uint64_t misses[n_miss_reasons] = {};  ///< requests per miss_reason (index: the enum value; [0] unused)
+    std::uint64_t slot_states_invalidated = 0;  ///< slot states dropped because their cells changed
+    // --- global prompt cache entries ---
+    std::uint64_t queries = 0;       ///< lookups of the global cache
+    std::uint64_t hits = 0;          ///< entries loaded into a slot
+    std::uint64_t load_failures = 0; ///< selected entries whose load failed (the entry is kept)
+    std::uint64_t invalidated = 0;   ///< entries dropped because their cells changed (never served)
     std::uint64_t inserts = 0;       ///< entries stored
     std::uint64_t skipped = 0;       ///< saves skipped because an entry already contained the prompt
     std::uint64_t evictions = 0;     ///< entries evicted by the limits (or to make room in the store)
@@ -63,11 +119,123 @@ struct prefix_cache_metrics {
     std::size_t bytes = 0;           ///< bytes held now
     std::size_t tokens = 0;          ///< tokens held now
     std::size_t entries = 0;         ///< entries held now
+    /// Requests that missed for reason r.
+    [[nodiscard]] std::uint64_t misses_for(miss_reason r) const noexcept { return misses[static_cast<std::size_t>(r)]; }
     /// hit_tokens / query_tokens (0 without queries).
     [[nodiscard]] double token_hit_rate() const noexcept {
         return query_tokens == 0 ? 0.0 : static_cast<double>(hit_tokens) / static_cast<double>(query_tokens);
     }
 };
+
+namespace detail {
+inline void prom_escape(std::string& out, std::string_view v) {
+    for (char ch : v) {
+        if (ch == '\\') out += "\\\\";
+        else if (ch == '"') out += "\\\"";
+        else if (ch == '\n') out += "\\n";
+        else out += ch;
+    }
+}
+inline bool prom_name_ok(std::string_view n) noexcept {
+    if (n.empty()) return false;
+    for (std::size_t i = 0; i < n.size(); ++i) {
+        const char c = n[i];
+        const bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+        if (!alpha && !(i > 0 && c >= '0' && c <= '9')) return false;
+    }
+    return true;
+}
+}  // namespace detail
+
+/// One constant label of every rendered sample (name: [a-zA-Z_][a-zA-Z0-9_]*).
+struct metric_label {
+    std::string name;
+    std::string value;
+};
+
+/// Renders the counters in the Prometheus text exposition format (version 0.0.4): per
+/// metric a `# HELP` and a `# TYPE` line, then `name{labels} value` samples. Names start
+/// with `prefix` ("kvcache" -> kvcache_prefix_cache_queries_total, ...); `labels` are added
+/// to every sample (values escaped). Throws invalid_argument for a prefix or label name
+/// that is not a valid Prometheus name. Counters end in _total; bytes/tokens/entries are gauges.
+inline std::string to_prometheus(const prefix_cache_metrics& m, std::string_view prefix = "kvcache",
+                                 std::span<const metric_label> labels = {}) {
+    if (!detail::prom_name_ok(prefix))
+        detail::fail(errc::invalid_argument, "to_prometheus: prefix = \"" + std::string(prefix) + "\" is not a metric name");
+    std::string base;  // constant labels, without braces
+    for (const metric_label& l : labels) {
+        if (!detail::prom_name_ok(l.name) || l.name.starts_with("__"))
+            detail::fail(errc::invalid_argument, "to_prometheus: label name \"" + l.name + "\" is not valid");
+        if (!base.empty()) base += ',';
+        base += l.name;
+        base += "=\"";
+        detail::prom_escape(base, l.value);
+        base += '"';
+    }
+    std::string out;
+    auto head = [&](std::string_view name, std::string_view type, std::string_view help) {
+        out += "# HELP ";
+        out += prefix;
+        out += '_';
+        out += name;
+        out += ' ';
+        out += help;
+        out += "\n# TYPE ";
+        out += prefix;
+        out += '_';
+        out += name;
+        out += ' ';
+        out += type;
+        out += '\n';
+    };
+    auto sample = [&](std::string_view name, std::string_view label, std::uint64_t v) {
+        out += prefix;
+        out += '_';
+        out += name;
+        if (!base.empty() || !label.empty()) {
+            out += '{';
+            out += base;
+            if (!base.empty() && !label.empty()) out += ',';
+            out += label;
+            out += '}';
+        }
+        out += ' ';
+        out += std::to_string(v);
+        out += '\n';
+    };
+    auto one = [&](std::string_view name, std::string_view type, std::string_view help, std::uint64_t v) {
+        head(name, type, help);
+        sample(name, {}, v);
+    };
+    one("requests_total", "counter", "Requests prepared by the slot manager.", m.requests);
+    one("prefix_cache_queries_total", "counter", "Request tokens queried against the prefix cache (vLLM prefix_cache_queries).",
+        m.query_tokens);
+    head("prefix_cache_hits_total", "counter",
+         "Request tokens reused instead of computed (vLLM prefix_cache_hits), by source: exact prefix kept from the "
+         "slot, exact prefix from a global cache entry, approximate (chunk-shifted).");
+    sample("prefix_cache_hits_total", "source=\"slot\"", m.hit_tokens_slot);
+    sample("prefix_cache_hits_total", "source=\"global\"", m.hit_tokens_global);
+    sample("prefix_cache_hits_total", "source=\"shifted\"", m.hit_tokens_shifted);
+    head("prefix_cache_misses_total", "counter", "Requests that reused less than they could have, by reason.");
+    for (std::size_t r = 1; r < n_miss_reasons; ++r)
+        sample("prefix_cache_misses_total", std::string("reason=\"") + to_string(static_cast<miss_reason>(r)) + '"',
+               m.misses[r]);
+    one("slot_states_invalidated_total", "counter", "Slot states dropped because their cells changed.",
+        m.slot_states_invalidated);
+    one("prompt_cache_lookups_total", "counter", "Lookups of the global prompt cache.", m.queries);
+    one("prompt_cache_loads_total", "counter", "Global prompt cache entries loaded into a slot.", m.hits);
+    one("prompt_cache_load_failures_total", "counter", "Selected entries whose load failed.", m.load_failures);
+    one("prompt_cache_invalidated_total", "counter", "Entries dropped because their cells changed.", m.invalidated);
+    one("prompt_cache_inserts_total", "counter", "Entries stored.", m.inserts);
+    one("prompt_cache_skipped_total", "counter", "Saves skipped: an entry already contained the prompt.", m.skipped);
+    one("prompt_cache_evictions_total", "counter", "Entries evicted by the limits or to make room.", m.evictions);
+    one("prompt_cache_removed_prefixes_total", "counter", "Entries dropped because a new entry extends them.",
+        m.removed_prefixes);
+    one("prompt_cache_bytes", "gauge", "Bytes held by the global prompt cache.", m.bytes);
+    one("prompt_cache_tokens", "gauge", "Tokens held by the global prompt cache.", m.tokens);
+    one("prompt_cache_entries", "gauge", "Entries held by the global prompt cache.", m.entries);
+    return out;
+}
 
 /// Options of one saved entry.
 struct entry_options {
@@ -79,6 +247,8 @@ struct entry_options {
 
 /// The global prompt cache for cache type Cache. Store keeps the K/V state
 /// (copy_store, state_store or shared_store), Eviction orders evictions (reuse::evict_lru, ...).
+/// Thread safety: not thread-safe, find() included (it counts); only const calls (select,
+/// metrics, tokens_of, ...) may run concurrently with each other.
 template <class Cache, class Store = copy_store<Cache>, class Eviction = reuse::evict_lru>
 class prompt_cache {
     static_assert(memory<Cache>, "kvcache: prompt_cache<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
@@ -152,9 +322,27 @@ public:
     /// Saves the state of sequence seq, which holds `tokens`, as a new entry (llama-server's
     /// prompt_save). Skipped (returns nullopt) if tokens is empty or an entry of the same
     /// tenant already starts with tokens; entries that are prefixes of tokens are dropped
-    /// (unless pinned). Then the limits are enforced. Checkpoints move into the entry.
+    /// (unless pinned). Then the limits are enforced; when they evict the new entry itself
+    /// (e.g. LFU: a new entry has no hits) nullopt is returned, never the id of a removed
+    /// entry. Checkpoints move into the entry (released when nothing is stored). Throws
+    /// invalid_argument when seq does not hold `tokens`: its last position must be
+    /// tokens.size() - 1 (a 12-token key for a sequence holding positions 0..4 is refused);
+    /// transaction_open while placements are staged. Both throw before anything changes
+    /// (the checkpoints are released).
     std::optional<entry_id> save(Cache& cache, seq_id_t seq, const prompt_tokens& tokens,
                                  const entry_options& opt = {}, std::vector<checkpoint> checkpoints = {}) {
+        if (cache.in_transaction()) {
+            release_all(cache, checkpoints);
+            detail::fail(errc::transaction_open, "prompt_cache::save: placements are staged; commit() or restore() first");
+        }
+        if (!tokens.empty() && cache.seq_pos_max(seq) != static_cast<pos_t>(tokens.size()) - 1) {
+            const pos_t got = cache.seq_pos_max(seq);
+            release_all(cache, checkpoints);
+            detail::fail(errc::invalid_argument,
+                         "prompt_cache::save: the key has " + std::to_string(tokens.size()) + " tokens but sequence " +
+                             std::to_string(seq) + (got < 0 ? std::string(" is empty") : " ends at position " + std::to_string(got)) +
+                             "; the key must be exactly what the sequence holds");
+        }
         if (tokens.empty()) {
             release_all(cache, checkpoints);
             return std::nullopt;
@@ -191,23 +379,75 @@ public:
         if (!stored.pinned) order_.emplace(Eviction::rank(stored.stats), id);
         ++metrics_.inserts;
         enforce_limits(cache);
+        if (!entries_.contains(id)) return std::nullopt;  // its own limits evicted it
         return id;
     }
 
     /// Selects the entry for `request` (tenant salt) given the requesting slot's own state:
     /// slot_lcp = common prefix of the slot's tokens and the request, slot_len = slot's size.
-    /// O(request length) through the radix index. Counts a query (and a hit).
+    /// O(request length) through the radix index. Counts a query (`queries`); the hit is
+    /// counted by a successful load(). Does not check entries against the cache: call
+    /// drop_invalid(cache) first (slot_manager does).
     [[nodiscard]] std::optional<selection> find(const prompt_tokens& request, std::uint64_t salt = 0,
                                                 std::size_t slot_lcp = 0, std::size_t slot_len = 0) {
         ++metrics_.queries;
-        metrics_.query_tokens += request.size();
-        auto s = select(request, salt, slot_lcp, slot_len);
-        if (s) {
-            ++metrics_.hits;
-            metrics_.hit_tokens += s->lcp;
-        }
-        return s;
+        return select(request, salt, slot_lcp, slot_len);
     }
+
+    /// Whether entry id (and its checkpoints) still relies on unchanged cells; false for an
+    /// unknown id. Always true with a store without valid() (copy_store, state_store).
+    [[nodiscard]] bool valid(const Cache& cache, entry_id id) const {
+        const auto it = entries_.find(id);
+        return it != entries_.end() && entry_valid(cache, it->second);
+    }
+    /// What drop_invalid removed.
+    struct dropped {
+        std::size_t n = 0;        ///< entries dropped
+        std::size_t max_lcp = 0;  ///< longest common prefix of a dropped entry with the request passed
+    };
+    /// Drops every entry whose cells changed under it (counted in `invalidated`). With a
+    /// request, also reports the longest prefix of it a dropped entry of tenant `salt` held
+    /// (miss reason `invalidated`). O(entries) with a store that checks entries
+    /// (shared_store), else O(1).
+    dropped drop_invalid(Cache& cache, const prompt_tokens* request = nullptr, std::uint64_t salt = 0) {
+        dropped out;
+        if constexpr (detail::checks_entries<Store, Cache>) {
+            std::vector<entry_id> bad;
+            for (const auto& [id, e] : entries_)
+                if (!entry_valid(cache, e)) {
+                    bad.push_back(id);
+                    if (request != nullptr && e.salt == salt)
+                        out.max_lcp = std::max(out.max_lcp, e.tokens.common_prefix(*request));
+                }
+            for (entry_id id : bad) {
+                ++metrics_.invalidated;
+                erase(cache, id);
+            }
+            out.n = bad.size();
+        } else {
+            static_cast<void>(cache);
+            static_cast<void>(request);
+            static_cast<void>(salt);
+        }
+        return out;
+    }
+
+    /// Longest common prefix of `request` with an entry of the same tenant evicted earlier
+    /// (the keys of the most recent evictions are remembered, up to evicted_memory symbols):
+    /// how much the request could have reused had those entries stayed (miss reason `evicted`).
+    [[nodiscard]] std::size_t evicted_lcp(const prompt_tokens& request, std::uint64_t salt = 0) const {
+        if (ghost_.size() == 0 || request.empty()) return 0;
+        std::vector<key_symbol> key;
+        key_symbols(request, key);
+        std::size_t best = 0;
+        ghost_.candidates(salt, key, [&](const radix_index::candidate& c) {
+            best = c.lcp;
+            return false;
+        });
+        return best;
+    }
+    /// Symbols of evicted keys remembered for evicted_lcp.
+    static constexpr std::size_t evicted_memory = std::size_t{1} << 18;
 
     /// The same selection without counting (for tests and tools).
     [[nodiscard]] std::optional<selection> select(const prompt_tokens& request, std::uint64_t salt = 0,
@@ -252,13 +492,29 @@ public:
     }
 
     /// Moves entry id into the empty sequence dst (its K/V through the store) and removes it
-    /// from the cache. On error (unknown id, dst not empty, no space) nothing changes.
+    /// from the cache; counts a hit. On error (unknown id, dst not empty, no space) nothing
+    /// changes and `load_failures` counts it; an entry whose cells changed under it is
+    /// dropped instead (invalid_cell result, counted in `invalidated`). Throws
+    /// transaction_open while placements are staged: the host's staged placements are
+    /// never committed by a load.
     result<loaded> load(Cache& cache, seq_id_t dst, entry_id id) {
+        if (cache.in_transaction())
+            detail::fail(errc::transaction_open, "prompt_cache::load: placements are staged; commit() or restore() first");
         const auto it = entries_.find(id);
         if (it == entries_.end())
             return detail::make_error(errc::invalid_argument, "prompt_cache::load: no entry with id " + std::to_string(id));
+        if (!entry_valid(cache, it->second)) {
+            ++metrics_.invalidated;
+            erase(cache, id);
+            return detail::make_error(errc::invalid_cell, "prompt_cache::load: entry " + std::to_string(id) +
+                                                              " was invalidated: the cache changed its cells");
+        }
         result<void> r = store_.load(cache, dst, it->second.state);
-        if (!r) return detail::make_error(r.code(), r.message());
+        if (!r) {
+            ++metrics_.load_failures;
+            return detail::make_error(r.code(), r.message());
+        }
+        ++metrics_.hits;
         entry& e = it->second;
         detach(id, e);
         loaded out{std::move(e.tokens), std::move(e.checkpoints), e.stats.hits + 1};
@@ -324,6 +580,7 @@ public:
         if (order_.empty()) return false;
         const entry_id victim = order_.begin()->second;
         ++metrics_.evictions;
+        remember_evicted(entries_.at(victim));
         erase(cache, victim);
         return true;
     }
@@ -346,6 +603,33 @@ private:
         if (!e.pinned) order_.erase({Eviction::rank(e.stats), id});
         bytes_ -= e.bytes;
         tokens_ -= e.tokens.size();
+    }
+
+    bool entry_valid(const Cache& cache, const entry& e) const {
+        if constexpr (detail::checks_entries<Store, Cache>) {
+            if (!store_.valid(cache, e.state)) return false;
+            for (const auto& ck : e.checkpoints)
+                if (!store_.valid(cache, ck.state)) return false;
+        }
+        static_cast<void>(cache);
+        static_cast<void>(e);
+        return true;
+    }
+
+    /// Keeps the key of an evicted entry for evicted_lcp (oldest forgotten first).
+    void remember_evicted(const entry& e) {
+        std::vector<key_symbol> key;
+        key_symbols(e.tokens, key);
+        if (key.size() > evicted_memory) return;
+        if (!ghost_.insert(e.salt, key, 0)) return;  // already remembered
+        ghost_symbols_ += key.size();
+        ghost_order_.emplace_back(e.salt, std::move(key));
+        while (ghost_symbols_ > evicted_memory) {
+            auto& [salt, k] = ghost_order_.front();
+            ghost_.erase(salt, k);
+            ghost_symbols_ -= k.size();
+            ghost_order_.pop_front();
+        }
     }
 
     static bool qualifies(std::uint32_t lcp, std::uint32_t len, double n_req, double fk_slot, double sim_slot,
@@ -391,6 +675,9 @@ private:
     entry_id next_id_ = 1;
     prefix_cache_metrics metrics_;
     std::vector<key_symbol> key_;  // scratch: key symbols of the prompt being saved or erased
+    radix_index ghost_;            // keys of recently evicted entries (id unused)
+    std::deque<std::pair<std::uint64_t, std::vector<key_symbol>>> ghost_order_;  // (salt, key), oldest first
+    std::size_t ghost_symbols_ = 0;  // symbols in ghost_order_
 };
 
 KVCACHE_END_NAMESPACE

@@ -52,6 +52,8 @@ inline void key_symbols(const prompt_tokens& p, std::vector<key_symbol>& out) {
 }
 
 /// Radix tree from (salt, key) to an entry id; at most one entry per (salt, key).
+/// Thread safety: like a standard container: concurrent const calls (find, candidates,
+/// prefixes_of, has_extension) are safe; insert, erase and clear need exclusive access.
 class radix_index {
 public:
     using entry_id = std::uint64_t;

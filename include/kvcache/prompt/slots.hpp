@@ -15,6 +15,18 @@
 // kvcache::reuse_policy): reuse::none (nothing), reuse::lcp, reuse::chunk_shift<N>,
 // reuse::global<Base, Eviction> or a custom one. prepare() asks the policy for a plan,
 // checks it (reuse::check_plan) and executes exactly that plan (reuse::apply_plan).
+//
+// Entry validation: an idle slot's state records the generation of its sequence
+// (Cache::seq_generation, else the sequence's extent: detail::seq_fingerprint) when it
+// last changed it; prepare() drops every idle slot state and global entry whose cells
+// the host changed since (seq_rm, seq_keep, clear, ...), counts it
+// (slot_states_invalidated, prompt-cache `invalidated`, miss reason `invalidated`) and
+// never serves it.
+//
+// Thread safety: not thread-safe. A slot_manager, its prompt cache and the cache it works
+// on are one unit: call them from one thread at a time (one mutex around every call, const
+// calls included). The host's own computation between prepare and commit_prompt may run
+// on any threads, as long as no slot_manager call runs meanwhile.
 #pragma once
 
 #include <algorithm>    // std::max
@@ -28,6 +40,7 @@
 #include <vector>       // slots
 
 #include "../error.hpp"
+#include "../layout/capabilities.hpp"
 #include "../ops/kshift.hpp"
 #include "../concepts.hpp"
 #include "../reuse/global.hpp"
@@ -46,7 +59,10 @@ struct slot_options {
     std::uint32_t n_slots = 1;        ///< number of slots (>= 1)
     seq_id_t first_seq = 0;           ///< slot i uses sequence first_seq + i
     double similarity = 0.1;          ///< F22: minimum lcp / request length to prefer a slot by prefix
-    std::uint32_t n_swa = 0;          ///< F23: sliding window of the cache (0: full attention, no checkpoints)
+    /// F23: sliding window of the cache (0: full attention, no checkpoints). On a memory with
+    /// a window of its own (iswa_cache, kv_cache<ring<W>>) 0 means that window, and any other
+    /// value than it is refused.
+    std::uint32_t n_swa = 0;
     std::uint32_t max_checkpoints = 8;  ///< F23: checkpoints kept per slot (oldest dropped)
     prompt_cache_limits cache_limits{};  ///< F21: limits of the global prompt cache (reuse::global only)
     bool apply_k_shift = true;        ///< F20: rotate moved K in prepare (else the host calls ops::apply_k_shift)
@@ -62,14 +78,18 @@ struct request_options {
     bool pin = false;          ///< the entry saved on release is never evicted
 };
 
-/// Where a request's tokens came from.
+/// Where a request's tokens came from (vLLM's meaning: query_tokens = n_request, hit_tokens
+/// = tokens reused = from_slot + from_global + from_shift = n_past; computed = the rest).
 struct request_metrics {
-    std::uint32_t n_request = 0;    ///< request positions
-    std::uint32_t from_slot = 0;    ///< kept from the slot's own state (LCP)
-    std::uint32_t from_global = 0;  ///< kept from a global prompt cache entry (LCP)
-    std::uint32_t from_shift = 0;   ///< moved into place by chunk shifting
+    std::uint32_t n_request = 0;    ///< request positions (the request's query_tokens)
+    std::uint32_t from_slot = 0;    ///< exact prefix kept from the slot's own state
+    std::uint32_t from_global = 0;  ///< exact prefix kept from a global prompt cache entry
+    std::uint32_t from_shift = 0;   ///< approximate: moved into place by chunk shifting
     std::uint32_t computed = 0;     ///< the host must compute these
     bool checkpoint_restored = false;  ///< an SWA checkpoint was loaded (F23)
+    miss_reason miss = miss_reason::none;  ///< why less was reused than could have been (none: nothing lost)
+    /// Tokens reused (not computed).
+    [[nodiscard]] std::uint32_t hit_tokens() const noexcept { return from_slot + from_global + from_shift; }
 };
 
 /// The answer of slot_manager::prepare.
@@ -93,6 +113,8 @@ using default_entry_store = std::conditional_t<composite_memory<Cache>, state_st
 /// SWA checkpoints from iswa_cache::window), with the reuse policy of Cache and, for
 /// reuse::global, a global prompt cache whose entries are kept by Store (copy_store,
 /// state_store or shared_store).
+/// Thread safety: not thread-safe; one thread at a time for the manager and its cache
+/// (see the file comment).
 template <class Cache, class Store = default_entry_store<Cache>>
 class slot_manager {
     static_assert(memory<Cache>, "kvcache: slot_manager<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
@@ -122,6 +144,14 @@ public:
             if (opt_.n_swa != Cache::window)
                 detail::fail(errc::invalid_argument, "slot_manager: n_swa = " + to_string(opt.n_swa) +
                                                          ", the ISWA cache's window is " + to_string(Cache::window));
+        } else if constexpr (requires { typename Cache::storage_t; }) {
+            if constexpr (has_capability<typename Cache::storage_t, layout_caps::sliding_window>) {  // ring<W>
+                const std::uint32_t w = cache.storage().window();
+                if (opt_.n_swa == 0) opt_.n_swa = w;  // a ring forgets positions: slots must know its window
+                if (opt_.n_swa != w)
+                    detail::fail(errc::invalid_argument, "slot_manager: n_swa = " + to_string(opt.n_swa) +
+                                                             ", the ring layout's window is " + to_string(w));
+            }
         }
         if (!(opt.similarity >= 0.0 && opt.similarity <= 1.0))
             detail::fail(errc::invalid_argument,
@@ -148,10 +178,21 @@ public:
     [[nodiscard]] const policy& reuse_policy_object() const noexcept { return policy_; }
     /// The global prompt cache (reuse::global only).
     [[nodiscard]] cache_type& global_cache() requires uses_global { return *global_; }
-    /// Cumulative prefix-cache counters (zero without a global cache).
+    /// Cumulative counters: requests and tokens (query_tokens, hit_tokens by source, miss
+    /// reasons) of every prepare, and the global prompt cache's entry counters (zero without
+    /// a global cache). Render them with to_prometheus().
     [[nodiscard]] prefix_cache_metrics metrics() const {
-        if constexpr (uses_global) return global_->metrics();
-        else return {};
+        prefix_cache_metrics m;
+        if constexpr (uses_global) m = global_->metrics();
+        m.requests = counters_.requests;
+        m.query_tokens = counters_.query_tokens;
+        m.hit_tokens = counters_.hit_tokens;
+        m.hit_tokens_slot = counters_.hit_tokens_slot;
+        m.hit_tokens_global = counters_.hit_tokens_global;
+        m.hit_tokens_shifted = counters_.hit_tokens_shifted;
+        for (std::size_t r = 0; r < n_miss_reasons; ++r) m.misses[r] = counters_.misses[r];
+        m.slot_states_invalidated = counters_.slot_states_invalidated;
+        return m;
     }
 
     /// Picks a slot for `request` and makes its sequence hold the longest reusable prefix:
@@ -159,12 +200,18 @@ public:
     /// (F23). The host then computes request positions [n_past, n_request) into sequence
     /// `seq` and calls commit_prompt(slot). What is kept is the reuse policy's plan, executed
     /// as planned (with n_swa > 0 it may be cut back to an SWA checkpoint, F23); requests with
-    /// cache_prompt = false do not ask the policy and keep nothing. Throws kvcache::error:
+    /// cache_prompt = false do not ask the policy and keep nothing. First, idle slot states
+    /// and global entries whose cells the host changed are dropped (see the file comment).
+    /// Throws kvcache::error:
     /// invalid_argument (empty request, bad or busy slot_id, or a plan that check_plan refuses:
     /// it claims more than the tokens allow, or moves cells while the policy's needs_shift is
     /// false; thrown before the cache or the slots change), transaction_open. Returns an error
-    /// result, nothing changed, when every slot is busy (no_space). When the cache cannot take
-    /// the plan (reuse::apply_plan refuses: no free cell to split shared cells, positions a
+    /// result, nothing changed, when every slot is busy (no_space). When the selected global
+    /// entry cannot be loaded (no room, invalidated) the slot keeps its own state and reuses
+    /// from it (miss reason load_failed or invalidated, no hit counted; the policy is then
+    /// asked a second time, and a plan check_plan refuses throws with the slot's own state
+    /// back in place). When the cache cannot
+    /// take the plan (reuse::apply_plan refuses: no free cell to split shared cells, positions a
     /// ring pruned) the slot's state is dropped and the whole request is computed (n_past 0).
     [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
@@ -172,6 +219,20 @@ public:
         if (cache_->in_transaction())
             detail::fail(errc::transaction_open, "slot_manager::prepare: placements are staged; commit() or restore() first");
         const bool reuse_on = ro.cache_prompt;
+        if (ro.slot_id >= 0 && slots_[check_slot("prepare", ro.slot_id)].busy)
+            detail::fail(errc::invalid_argument, "slot_manager::prepare: slot_id = " + std::to_string(ro.slot_id) + " is busy");
+        // Entries that cannot lie: idle states whose cells changed under them are dropped.
+        std::size_t lost_invalid = 0;  // longest prefix of the request such a state held
+        for (std::size_t i = 0; i < slots_.size(); ++i) {
+            slot& t = slots_[i];
+            const seq_id_t ts = opt_.first_seq + static_cast<seq_id_t>(i);
+            if (t.busy || t.generation == detail::seq_fingerprint(*cache_, ts)) continue;
+            if (!t.tokens.empty()) {
+                ++counters_.slot_states_invalidated;
+                if (t.salt == ro.salt) lost_invalid = std::max(lost_invalid, t.tokens.common_prefix(request));
+            }
+            drop_state(t, ts);
+        }
         const int id = pick_slot(request, ro, reuse_on);
         if (id < 0)
             return detail::make_error(errc::no_space, "slot_manager::prepare: every one of the " +
@@ -186,47 +247,77 @@ public:
 
         // The state the request starts from: the slot's own (never another tenant's) or the
         // global cache entry selected for it (F21). The policy plans against its tokens and
-        // the plan is checked before anything changes.
+        // every plan is checked before anything changes.
         const prompt_tokens no_tokens;
-        const prompt_tokens* from = s.salt == ro.salt ? &s.tokens : &no_tokens;
+        const prompt_tokens& own = s.salt == ro.salt ? s.tokens : no_tokens;
         [[maybe_unused]] std::optional<typename cache_type::entry_id> pick;
         if constexpr (uses_global) {
-            if (reuse_on)
-                if (auto sel = global_->find(request, ro.salt, from->common_prefix(request), from->size())) {
-                    pick = sel->id;
-                    from = global_->tokens_of(sel->id);
-                }
+            if (reuse_on) {
+                lost_invalid = std::max(lost_invalid, global_->drop_invalid(*cache_, &request, ro.salt).max_lcp);
+                if (auto sel = global_->find(request, ro.salt, own.common_prefix(request), own.size())) pick = sel->id;
+            }
         }
         reuse::plan_options po;
         po.cache_prompt = reuse_on;
         po.can_shift = Cache::can_shift && opt_.n_swa == 0;  // F23: no moves under a window
-        reuse::plan plan;
-        plan.n_request = out.n_request;
-        if (reuse_on) {
-            plan = policy_.plan(*from, request, po);
-            reuse::check_plan(*from, request, plan, po, policy::needs_shift,
-                              "slot_manager::prepare (reuse policy " + std::string(policy::name) + ")");
-        }
+        auto make_plan = [&](const prompt_tokens& from) {
+            reuse::plan p;
+            p.n_request = out.n_request;
+            if (reuse_on) {
+                p = policy_.plan(from, request, po);
+                reuse::check_plan(from, request, p, po, policy::needs_shift,
+                                  "slot_manager::prepare (reuse policy " + std::string(policy::name) + ")");
+            }
+            return p;
+        };
+        // The policy is asked once per request (it may keep state): for the entry when one
+        // was selected, else for the slot's own state; a second time, for the slot's own
+        // state, only when the entry cannot be loaded.
+        const prompt_tokens* source = &own;  // tokens the applied plan was made against
+        if constexpr (uses_global)
+            if (pick) source = global_->tokens_of(*pick);
+        reuse::plan plan = make_plan(*source);
+        // What the best state of another tenant (never reused) would have given.
+        std::size_t lost_salt = 0;
+        for (const slot& t : slots_)
+            if (!t.busy && t.salt != ro.salt) lost_salt = std::max(lost_salt, t.tokens.common_prefix(request));
 
         if (s.salt != ro.salt) drop_state(s, seq);  // tenant isolation: never reuse another tenant's state
         s.salt = ro.salt;
         bool from_global = false;
+        bool load_failed = false;
         if constexpr (uses_global) {
             if (pick) {
-                drop_state(s, seq);
+                // Park the slot's own state: a failed load puts it back as it was.
+                parked_state parked = park(seq);
                 auto got = global_->load(*cache_, seq, *pick);
                 if (got) {
+                    for (auto& ck : s.checkpoints) store().release(*cache_, ck.state);
                     s.tokens = std::move(got.value().tokens);
                     s.checkpoints = std::move(got.value().checkpoints);
                     s.hits = got.value().hits;
                     from_global = true;
+                    source = &s.tokens;  // the entry left the cache
                 } else {
-                    plan = reuse::plan{};  // the slot's state was dropped: recompute everything
-                    plan.n_request = out.n_request;
+                    if (got.code() == errc::invalid_cell)
+                        lost_invalid = std::max<std::size_t>(lost_invalid, plan.n_past);
+                    else
+                        load_failed = true;
+                    if constexpr (can_park) {
+                        unpark(seq, parked);
+                        plan = make_plan(own);  // a refused plan throws now: the slot holds its own state again
+                    } else {  // a memory whose cells slots cannot reach: the state is gone
+                        drop_state(s, seq);
+                        plan = reuse::plan{};
+                        plan.n_request = out.n_request;
+                    }
+                    source = &s.tokens;
                 }
             }
         }
+        const std::uint32_t planned = plan.n_past;
         if (opt_.n_swa > 0 && plan.n_past > 0) plan = swa_adjust(s, seq, request, plan, out.metrics);
+        const bool swa_cut = plan.n_past < planned;
         if (!reuse::apply_plan(*cache_, seq, plan)) {  // refused, nothing changed: recompute everything
             drop_state(s, seq);
             plan = reuse::plan{};
@@ -235,6 +326,9 @@ public:
         }
         if constexpr (Cache::can_shift)
             if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
+        // The reuse stopped at a media position of both the request and its source.
+        const bool media_stop = plan.n_past < source->size() && (*source)[plan.n_past] == null_token &&
+                                request.chunk_at(plan.n_past) != nullptr;
         s.tokens = request;
         s.tokens.keep_first(plan.n_past);
         std::erase_if(s.checkpoints, [&](checkpoint& ck) {
@@ -248,6 +342,9 @@ public:
         (from_global ? out.metrics.from_global : out.metrics.from_slot) = kept;
         out.metrics.from_shift = plan.n_shifted();
         out.metrics.computed = plan.n_compute();
+        out.metrics.miss = miss_of(request, plan.n_past, load_failed, lost_invalid, swa_cut, lost_salt, media_stop,
+                                   reuse_on, ro.salt);
+        count(out.metrics);
         out.n_past = plan.n_past;
         out.k_shift_pending = cache_->has_shift();
         out.plan = std::move(plan);
@@ -277,6 +374,7 @@ public:
         s.tokens = std::move(s.pending);
         s.pending.clear();
         s.has_pending = false;
+        s.generation = detail::seq_fingerprint(*cache_, opt_.first_seq + slot_id);
     }
 
     /// A generated token was placed at position tokens(slot).size() of the slot's sequence.
@@ -291,6 +389,7 @@ public:
                                                      std::to_string(got) + ", expected the new token at " +
                                                      std::to_string(s.tokens.size()));
         s.tokens.push_back(t);
+        s.generation = detail::seq_fingerprint(*cache_, opt_.first_seq + slot_id);
     }
 
     /// Saves the slot's sliding-window state at its current positions (F23); the oldest
@@ -322,8 +421,13 @@ public:
         if (cache_->in_transaction())
             detail::fail(errc::transaction_open, "slot_manager::release: placements are staged; commit() or restore() first");
         const seq_id_t seq = opt_.first_seq + slot_id;
+        const bool changed = s.generation != detail::seq_fingerprint(*cache_, seq);  // since the last commit_prompt / append
         if (cache_->seq_pos_max(seq) >= static_cast<pos_t>(s.tokens.size()))
             if (!cache_->seq_rm(seq, static_cast<pos_t>(s.tokens.size()), -1)) drop_state(s, seq);
+        if (changed && !holds_exactly(seq, s.tokens.size())) {  // the host changed more than uncommitted positions
+            if (!s.tokens.empty()) ++counters_.slot_states_invalidated;
+            drop_state(s, seq);
+        }
         s.busy = false;
         s.has_pending = false;
         s.pending.clear();
@@ -336,6 +440,7 @@ public:
                               {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
             }
         }
+        s.generation = detail::seq_fingerprint(*cache_, seq);
     }
 
     /// Empties the slot (its sequence and tokens); the slot must be idle.
@@ -364,6 +469,7 @@ private:
         std::uint64_t hits = 0;       // global-cache hits of the state (carried into the entry)
         request_options opts;
         std::vector<checkpoint> checkpoints;  // F23, increasing pos_max
+        std::uint64_t generation = 0;         // seq_fingerprint of the sequence when the slot last checked it
     };
 
     Store& store() {
@@ -424,6 +530,104 @@ private:
         s.hits = 0;
         for (auto& ck : s.checkpoints) store().release(*cache_, ck.state);
         s.checkpoints.clear();
+        s.generation = detail::seq_fingerprint(*cache_, seq);
+    }
+
+    /// Whether seq holds exactly positions [0, n) once each (under a window: ends at n - 1).
+    bool holds_exactly(seq_id_t seq, std::size_t n) const {
+        if (cache_->seq_pos_max(seq) != static_cast<pos_t>(n) - 1) return false;
+        if (opt_.n_swa > 0 || n == 0) return true;
+        if (cache_->seq_pos_min(seq) != 0) return false;
+        if constexpr (kv_memory<Cache>) return cache_->cells().seq_cell_count(seq) == n;
+        else return true;
+    }
+
+    /// Whether a failed global load can put the slot's own state back: the cells are
+    /// reachable (kv_memory, or a composite memory of kv_memory parts).
+    static constexpr bool can_park = kv_memory<Cache> || composite_memory<Cache>;
+    /// Calls f on each cell-indexed part of the cache (the cache itself, or an iswa_cache's two).
+    template <class F>
+    void for_each_kv_part(F&& f) {
+        if constexpr (kv_memory<Cache>)
+            f(*cache_);
+        else if constexpr (composite_memory<Cache>)
+            cache_->for_each_part(detail::internal_access{}, f);
+    }
+    struct parked_cell {
+        std::uint32_t cell;
+        pos_t pos;
+        std::int32_t shift;
+    };
+    struct parked_part {
+        std::vector<parked_cell> cells;
+        pos_t pruned = 0;
+    };
+    using parked_state = std::vector<parked_part>;
+
+    /// Empties seq, remembering its cells: unpark() puts them back when what was tried
+    /// instead (a global load, which changes nothing when it fails) did not happen. The
+    /// cells' K/V bytes stay where they are meanwhile (freeing a cell writes none).
+    parked_state park(seq_id_t seq) {
+        parked_state out;
+        for_each_kv_part([&](auto& part) {
+            using part_t = std::remove_cvref_t<decltype(part)>;
+            parked_part pp;
+            const cell_table& ct = part.cells();
+            for (std::uint32_t c : ct.used_cells())
+                if (ct.seqs(c).test(seq)) pp.cells.push_back({c, ct.pos(c), ct.shift(c)});
+            if constexpr (has_capability<typename part_t::storage_t, layout_caps::pruning>)
+                pp.pruned = part.storage().pruned_below(seq);
+            out.push_back(std::move(pp));
+        });
+        cache_->seq_rm(seq, -1, -1).value();  // the whole sequence: never refused
+        return out;
+    }
+    void unpark(seq_id_t seq, const parked_state& st) {
+        cache_->seq_rm(seq, -1, -1).value();  // empty after a failed load; made sure
+        std::size_t i = 0;
+        for_each_kv_part([&](auto& part) {
+            using part_t = std::remove_cvref_t<decltype(part)>;
+            const parked_part& pp = st[i++];
+            cell_table& ct = part.cells_for_update(detail::internal_access{});
+            for (const parked_cell& pc : pp.cells) {
+                if (ct.is_free(pc.cell)) {
+                    ct.occupy(pc.cell, pc.pos, seq_set::of(seq));
+                    ct.set_shift(pc.cell, pc.shift);
+                } else {  // still held by the sequences that shared it
+                    KVCACHE_ASSERT(ct.pos(pc.cell) == pc.pos);
+                    ct.add_seq(pc.cell, seq);
+                }
+            }
+            if constexpr (has_capability<typename part_t::storage_t, layout_caps::pruning>)
+                part.storage().set_pruned_below(seq, pp.pruned);
+        });
+    }
+
+    /// The first reason (miss_reason order) why the request reused n_past tokens and not more.
+    miss_reason miss_of(const prompt_tokens& request, std::uint32_t n_past, bool load_failed, std::size_t lost_invalid,
+                        bool swa_cut, std::size_t lost_salt, bool media_stop, bool reuse_on, std::uint64_t salt) const {
+        if (!reuse_on) return miss_reason::none;
+        const std::size_t cap = request.size() - 1;  // the last position is always computed (its logits)
+        auto lost = [&](std::size_t could) { return std::min(could, cap) > n_past; };
+        if (load_failed) return miss_reason::load_failed;
+        if (lost(lost_invalid)) return miss_reason::invalidated;
+        if (swa_cut) return miss_reason::swa;
+        if (lost(lost_salt)) return miss_reason::salt;
+        if (n_past < cap && media_stop) return miss_reason::media;
+        if constexpr (uses_global)
+            if (lost(global_->evicted_lcp(request, salt))) return miss_reason::evicted;
+        static_cast<void>(salt);
+        return miss_reason::none;
+    }
+
+    void count(const request_metrics& m) {
+        ++counters_.requests;
+        counters_.query_tokens += m.n_request;
+        counters_.hit_tokens += m.hit_tokens();
+        counters_.hit_tokens_slot += m.from_slot;
+        counters_.hit_tokens_global += m.from_global;
+        counters_.hit_tokens_shifted += m.from_shift;
+        if (m.miss != miss_reason::none) ++counters_.misses[static_cast<std::size_t>(m.miss)];
     }
 
     /// F23: a sliding-window sequence cannot re-enter a prefix whose window was overwritten.
@@ -448,11 +652,23 @@ private:
         return q;
     }
 
-    /// shared_store entries hold cells: evict entries until the host's tokens fit.
+    /// shared_store entries hold cells: evict entries until the host's n tokens (and the
+    /// generation after them) fit, counting what actually runs out.
     void make_room(std::uint32_t n) {
         if constexpr (requires(Store& st) { st.n_free(); }) {
-            while (cache_->capacity() - cache_->used() < n && global_->evict_one(*cache_)) {
+            while (!has_room(n) && global_->evict_one(*cache_)) {
             }
+        }
+    }
+    /// Whether n more tokens of one sequence fit: free blocks on a paged layout (one more
+    /// than n tokens fill: the sequence's last block may be shared, copy-on-write, or
+    /// full), free cells otherwise.
+    bool has_room(std::uint32_t n) const {
+        if constexpr (requires { cache_->storage().free_blocks(); Cache::layout::block_size; }) {
+            constexpr std::uint64_t bs = Cache::layout::block_size;
+            return cache_->storage().free_blocks() >= (std::uint64_t{n} + bs - 1) / bs + 1;
+        } else {
+            return cache_->capacity() - cache_->used() >= n;
         }
     }
 
@@ -464,6 +680,7 @@ private:
     [[no_unique_address]] std::conditional_t<uses_global, std::monostate, Store> own_store_{};
     std::uint64_t clock_ = 0;
     request_metrics last_;
+    prefix_cache_metrics counters_;  // request and token counters (the entry counters live in global_)
 };
 
 KVCACHE_END_NAMESPACE

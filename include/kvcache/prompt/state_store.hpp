@@ -19,6 +19,7 @@ KVCACHE_BEGIN_NAMESPACE
 
 /// Keeps an entry as the bytes of io::save_seq (state format with checksum) and loads it
 /// back with io::load_seq, which validates everything before touching the cache.
+/// Thread safety: stateless; save reads the cache, load changes it (exclusive access).
 template <class Cache>
 class state_store {
     static_assert(memory<Cache>, "kvcache: state_store<Cache> needs a kvcache::memory (see kvcache/memory/memory.hpp)");
