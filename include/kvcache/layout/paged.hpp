@@ -58,7 +58,7 @@ public:
           tables_(n_seq_max),
           open_(n_seq_max, no_block) {}
 
-    void on_seq_added(std::uint32_t c, seq_id_t s) noexcept override {
+    void on_seq_added(std::uint32_t c, seq_id_t s) override {
         const std::uint32_t b = c / bs_;
         if (cell_refs_[c]++ == 0) ++block_used_[b];
         auto& v = block_seqs_[b];
@@ -71,7 +71,7 @@ public:
         tables_[static_cast<std::size_t>(s)].insert(b);
         pool_.retain_unchecked(b);
     }
-    void on_seq_removed(std::uint32_t c, seq_id_t s) noexcept override {
+    void on_seq_removed(std::uint32_t c, seq_id_t s) override {
         const std::uint32_t b = c / bs_;
         auto& v = block_seqs_[b];
         auto it = find(v, s);
@@ -84,7 +84,7 @@ public:
         }
         if (--cell_refs_[c] == 0) --block_used_[b];
     }
-    void on_cleared() noexcept override {
+    void on_cleared() override {
         std::fill(cell_refs_.begin(), cell_refs_.end(), std::uint16_t{0});
         std::fill(block_used_.begin(), block_used_.end(), 0u);
         for (auto& v : block_seqs_) v.clear();
@@ -92,6 +92,9 @@ public:
         std::fill(open_.begin(), open_.end(), no_block);
         pool_.reset();
     }
+    [[nodiscard]] std::unique_ptr<cell_observer> clone() const override { return std::make_unique<paged_tables>(*this); }
+    void assign_from(const cell_observer& o) override { *this = static_cast<const paged_tables&>(o); }
+    void swap_state(cell_observer& o) noexcept override { std::swap(*this, static_cast<paged_tables&>(o)); }
 
     [[nodiscard]] std::uint32_t block_size() const noexcept { return bs_; }
     [[nodiscard]] const block_pool& pool() const noexcept { return pool_; }
