@@ -250,12 +250,15 @@ private:
         if (single)
             for (std::uint32_t b : tables_[static_cast<std::size_t>(s0)])
                 if (owned_by(b, set) && free_cell(cells, b, taken) != no_cell) return open = b;
-        // 3. copy-on-write: its last block is shared and not full
-        if (single && allow_cow && open != no_block && find(block_seqs_[open], s0) != block_seqs_[open].end() &&
-            block_seqs_[open].size() > 1 && free_cell(cells, open, taken) != no_cell) {
-            const std::uint32_t nb = fresh_block(new_blocks, open);
+        // 3. copy-on-write: its last block (the one it appended to last, else its highest,
+        //    e.g. after seq_cp) is shared and not full
+        const auto& own = tables_[static_cast<std::size_t>(s0)];
+        const std::uint32_t tail = open != no_block ? open : own.empty() ? no_block : *own.rbegin();
+        if (single && allow_cow && tail != no_block && find(block_seqs_[tail], s0) != block_seqs_[tail].end() &&
+            block_seqs_[tail].size() > 1 && free_cell(cells, tail, taken) != no_cell) {
+            const std::uint32_t nb = fresh_block(new_blocks, tail);
             if (nb == no_block) return no_block;
-            for (std::uint32_t c = open * bs_; c < (open + 1) * bs_; ++c) {
+            for (std::uint32_t c = tail * bs_; c < (tail + 1) * bs_; ++c) {
                 if (cells.is_free(c) || !cells.seqs(c).test(s0)) continue;
                 const std::uint32_t dst = free_cell(cells, nb, taken);
                 taken.insert(dst);

@@ -24,6 +24,7 @@
 #include <vector>     // placements, staging
 
 #include "../cells/cell_table.hpp"
+#include "../cells/rollback.hpp"
 #include "../concepts.hpp"
 #include "../detail/policy_select.hpp"
 #include "../element/contract.hpp"
@@ -325,6 +326,13 @@ public:
     /// Staged placements are not tracked: call it only with no transaction open, or on a
     /// checkpoint taken inside the same transaction.
     void load_checkpoint(checkpoint& cp, detail::internal_access) noexcept { load_checkpoint(cp); }
+    /// Number of staged cells (a composite undoes one placement with it and a checkpoint).
+    [[nodiscard]] std::size_t staged_count(detail::internal_access) const noexcept { return staged_.size(); }
+    /// Undoes the placements made since `cp` was saved, when staged_count() was `n`. Never throws.
+    void undo_place(checkpoint& cp, std::size_t n, detail::internal_access) noexcept {
+        load_checkpoint(cp);
+        staged_.resize(n);
+    }
 
     // ------------------------------------------------------- sequence ops (F5)
     // Ranges are [p0, p1); p0 < 0 means 0, p1 < 0 means "to the end".

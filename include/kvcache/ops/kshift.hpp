@@ -109,10 +109,13 @@ plan make_plan(const Cache& cache, int n_threads) {
 /// with n = cache.n_window() (F8), and only the cells that move. Each distinct delta's
 /// cos/sin table is computed once (in double, accurate for deltas up to 2^31) and shared
 /// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
+/// Refused (kvcache::error transaction_open, nothing changed) while placements are staged.
 template <class Cache>
 void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
     static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
                                     "kvcache::composite_memory (see kvcache/memory/memory.hpp)");
+    if (cache.in_transaction())  // restore() would put back metadata of K already rotated
+        kvcache::detail::fail(errc::transaction_open, "apply_k_shift: placements are staged; commit() or restore() first");
     if (!cache.has_shift()) return;
     using storage_type = typename Cache::storage_type;
     using element = typename Cache::element;
