@@ -6,6 +6,7 @@
 
 #include <kvcache/kvcache.hpp>
 
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -47,14 +48,15 @@ std::vector<std::uint32_t> put(Cache& c, seq_id_t s, pos_t p0, std::uint32_t n, 
 }
 
 std::string tables(const paged_t& c) {
-    std::string out;
+    std::ostringstream os;  // not operator+ chains: GCC 12 reports a false -Wrestrict on those
     for (seq_id_t s = 0; s < static_cast<seq_id_t>(c.n_seq_max()); ++s) {
-        out += "seq " + std::to_string(s) + ":";
-        for (std::uint32_t b : c.storage().block_table(s)) out += " " + std::to_string(b);
-        out += ";";
+        os << "seq " << s << ":";
+        for (std::uint32_t b : c.storage().block_table(s)) os << ' ' << b;
+        os << ';';
     }
-    for (std::uint32_t b = 0; b < c.storage().n_blocks(); ++b) out += " r" + std::to_string(c.storage().refcount(b));
-    return out + " " + c.storage().check_invariants(c.cells());
+    for (std::uint32_t b = 0; b < c.storage().n_blocks(); ++b) os << " r" << c.storage().refcount(b);
+    os << ' ' << c.storage().check_invariants(c.cells());
+    return os.str();
 }
 
 /// Seq 0: 0..11 in block 0, shared whole with seq 1; every other block referenced.
