@@ -10,6 +10,20 @@
 // - Kernels may use OpenMP threads inside one call; that is invisible to callers.
 // - Different kv_cache objects share nothing and can be used from different
 //   threads freely.
+//
+// Exception safety (strong guarantee)
+// -----------------------------------
+// Every mutating operation (place, commit, restore, seq_rm / seq_cp / seq_keep /
+// seq_add / seq_div, clear, and the compound operations of ops/, reuse/ and io/ built on
+// them) either completes or leaves the cache bit-identical: cell metadata, indexes, the
+// layout's tables (block tables, refcounts, free blocks, placement hints, ring pruning
+// points), the slot-search head and the K/V bytes of occupied cells. That holds for error
+// results and for exceptions, std::bad_alloc included. Each operation first saves a
+// checkpoint (a copy of the cell table and the layout's tables, reusing the memory of the
+// previous one) and puts it back without allocating; K/V bytes are copied only after the
+// last step that can throw, and only into free cells. restore() returns to the checkpoint
+// of the first staged placement and never throws. Free cells' K/V bytes are not state.
+// ops::apply_k_shift is refused (transaction_open) while placements are staged.
 #pragma once
 
 #include <algorithm>  // std::min, std::max
