@@ -142,8 +142,15 @@ TEST_CASE("issue 25.8: batch positions continue each sequence's last position co
     refuse({1}, {0}, "sequence 0 gets position 1 but its last position in the cache is 3");      // below
     refuse({4, 6}, {0, 0}, "sequence 0 gets position 6 right after position 4");                  // gap inside
     refuse({5, 4}, {0, 0}, "sequence 0 gets position 5 but its last position");                   // decreasing
-    refuse({0, 2, 1}, {1, 1, 1}, "sequence 1 gets position 2 right after position 0");            // empty, unordered
-    // an empty sequence may start anywhere; interleaved sequences each stay consecutive
+    // an empty sequence takes any distinct positions (a saved sequence put back)
+    {
+        std::vector<pos_t> pos{7, 2, 9};
+        std::vector<seq_id_t> seq{1, 1, 1};
+        REQUIRE(c.place(pos, seq).ok());
+        CHECK(c.restore() == tx_result::restored);
+        CHECK(kvtest::snapshot(c) == before);
+    }
+    // interleaved sequences each stay consecutive
     std::vector<pos_t> pos{4, 100, 5, 101};
     std::vector<seq_id_t> seq{0, 1, 0, 1};
     auto r = c.place(pos, seq);

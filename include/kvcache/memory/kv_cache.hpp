@@ -204,11 +204,11 @@ public:
     // -------------------------------------------------------- placement (F3, F4)
 
     /// Places a micro-batch: token i has position pos[i] and belongs to sequence seq[i].
-    /// Batch position rule: the positions of each sequence, in batch order, continue its
-    /// last position consecutively (p_max + 1, p_max + 2, ...); a sequence with no cells
-    /// may start at any position >= 0. A gap, a decreasing or repeated position, or a
-    /// position below the sequence's last throws invalid_argument naming the sequence and
-    /// positions. Placement has the strong guarantee: a refusal or a throw (also
+    /// Batch position rule: the positions of a sequence that holds cells, in batch order,
+    /// continue its last position consecutively (p_max + 1, p_max + 2, ...); a sequence
+    /// with no cells takes any distinct positions >= 0 (a new prompt, or a saved sequence
+    /// put back). A gap, a decreasing or repeated position, or a position below the
+    /// sequence's last throws invalid_argument naming the sequence and positions. Placement has the strong guarantee: a refusal or a throw (also
     /// std::bad_alloc) leaves the cache bit-identical.
     /// Invalid arguments throw kvcache::error(invalid_argument) and change nothing.
     /// Not enough free cells: an error result (no_space / batch_too_large), nothing changed.
@@ -245,6 +245,7 @@ public:
         checkpoint& cp = first ? tx_cp_ : op_cp_;
         save_checkpoint(cp);
         const std::size_t staged_before = staged_.size();
+        const std::uint32_t head_in = head_;
         try {
             placement out;
             std::vector<cell_copy> copies;
@@ -259,6 +260,7 @@ public:
                 copies = std::move(plan.value().copies);
             } else {
                 out.cells = find_free_cells(n);
+                if (first) cp.head = head_;  // restore() keeps the search restart (F3), as before
             }
             staged_.reserve(staged_.size() + n + copies.size());
             for (const cell_copy& c : copies) {  // c.seq moves from c.src to its own copy c.dst
@@ -278,6 +280,7 @@ public:
         } catch (...) {
             load_checkpoint(cp);
             staged_.resize(staged_before);
+            head_ = head_in;
             throw;
         }
     }
@@ -590,15 +593,16 @@ private:
         if (dup != pairs.end())
             detail::fail(errc::invalid_argument, "place: the batch puts sequence " + std::to_string(dup->first) +
                                                      " at position " + std::to_string(dup->second) + " twice");
-        // Batch position rule: each sequence's positions, in batch order, continue its last
-        // position consecutively (an empty sequence may start anywhere).
+        // Batch position rule: the positions of a sequence that holds cells continue its last
+        // position consecutively, in batch order; an empty sequence takes any distinct
+        // positions (a new prompt, or a saved sequence put back by a prompt cache).
         std::stable_sort(in_order.begin(), in_order.end(),
                          [](const auto& x, const auto& y) { return x.first < y.first; });
         for (std::size_t i = 0; i < in_order.size(); ++i) {
             const auto [s, p] = in_order[i];
+            if (cells_.seq_pos_max(s) < 0) continue;  // empty: any distinct positions
             const bool first = i == 0 || in_order[i - 1].first != s;
             const pos_t last = first ? cells_.seq_pos_max(s) : in_order[i - 1].second;
-            if (first && last < 0) continue;
             if (std::int64_t{p} != std::int64_t{last} + 1)
                 detail::fail(errc::invalid_argument,
                              "place: sequence " + std::to_string(s) + " gets position " + std::to_string(p) +
