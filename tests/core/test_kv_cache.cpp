@@ -368,7 +368,7 @@ TEST_CASE("sequence ops reject invalid arguments and change nothing") {
     expect_refused(c, E::no_space, "needs 10 free cells", [&] { return c.seq_add(1, 0, -1, 3); });
     expect_refused(c, E::no_space, "needs 8 free cells", [&] { return c.seq_div(0, 2, -1, 2); });
     // Sequence ops are refused while placements are staged.
-    auto p = c.place(std::vector<pos_t>{50}, std::vector<seq_id_t>{2});
+    auto p = c.place(std::vector<pos_t>{c.seq_pos_max(2) + 1}, std::vector<seq_id_t>{2});  // batches continue
     REQUIRE(p.ok());
     expect_refused(c, E::transaction_open, "commit() or restore() first", [&] { return c.seq_rm(0, 0, -1); });
     CHECK(c.restore() == kvcache::tx_result::restored);

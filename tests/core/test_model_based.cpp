@@ -10,6 +10,7 @@
 #include <kvcache/kvcache.hpp>
 
 #include <cstdlib>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -113,6 +114,11 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
                 std::vector<pos_t> pos;
                 std::vector<kvcache::seq_set> sets;
                 std::vector<std::set<seq_id_t>> msets;
+                std::map<seq_id_t, pos_t> last;  // batch position rule: each sequence continues its last position
+                auto last_of = [&](seq_id_t s) {
+                    auto it = last.find(s);
+                    return it != last.end() ? it->second : m.seq_pos_max(s);
+                };
                 for (int i = 0; i < n; ++i) {
                     kvcache::seq_set ss;
                     std::set<seq_id_t> ms;
@@ -124,19 +130,21 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
                         ss.set(s1);
                         ms.insert(s1);
                     }
-                    // A position none of the token's sequences holds (in cache or earlier in the batch).
-                    pos_t p = 0;
-                    for (int tries = 0; tries < 50; ++tries) {
-                        p = chance(0.7) ? std::max(m.seq_pos_max(s0) + 1, 0) + uni(0, 2) : uni(0, 80);
-                        bool clash = false;
-                        for (seq_id_t s : ms) clash |= m.seq_has_pos(s, p);
-                        for (std::size_t j = 0; j < pos.size(); ++j)
-                            if (pos[j] == p)
-                                for (seq_id_t s : ms) clash |= msets[j].count(s) == 1;
-                        if (!clash) break;
-                        p = -1;
-                    }
-                    if (p < 0) continue;
+                    // The next position of every sequence of the token (a sequence that holds none
+                    // may start anywhere); sequences that disagree: the token keeps s0 only.
+                    pos_t p = last_of(s0) + 1;
+                    for (seq_id_t s : ms) p = std::max(p, last_of(s) + 1);
+                    for (seq_id_t s : std::set<seq_id_t>(ms))
+                        if (last_of(s) >= 0 && last_of(s) + 1 != p) {
+                            ms = {s0};
+                            ss = kvcache::seq_set::of(s0);
+                            p = last_of(s0) + 1;
+                            break;
+                        }
+                    bool all_empty = true;
+                    for (seq_id_t s : ms) all_empty &= last_of(s) < 0;
+                    if (all_empty) p = chance(0.7) ? uni(0, 2) : uni(0, 80);
+                    for (seq_id_t s : ms) last[s] = p;
                     pos.push_back(p);
                     sets.push_back(ss);
                     msets.push_back(ms);

@@ -234,7 +234,7 @@ TEST_CASE("iswa state: host errors throw") {
     CHECK_THROWS_AS(io::save_seq_into(t.a, 0, small), kvcache::error);
     const std::vector<token_t> bad{-5};
     CHECK_THROWS_AS(static_cast<void>(io::save_state(t.a, bad)), kvcache::error);
-    std::vector<pos_t> pos{100};
+    std::vector<pos_t> pos{t.b.seq_pos_max(0) + 1};  // batches continue the last position
     std::vector<seq_id_t> seq{0};
     REQUIRE(t.b.place(pos, seq).ok());
     CHECK_THROWS_AS(static_cast<void>(io::load_state(t.b, io::save_state(t.a))), kvcache::error);

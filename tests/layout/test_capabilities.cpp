@@ -99,7 +99,7 @@ struct wrong_hooks {
     std::vector<std::uint32_t> plan_place(const cell_table&, std::span<const pos_t>, std::span<const seq_set>) {
         return {};
     }
-    void on_commit(cell_table&) {}                      // not noexcept
+    void on_commit(const int&) {}                      // wrong argument
     int pruned_below(seq_id_t) const { return 0; }      // pos_t is int: fine, but no set_pruned_below
     void check_seq_rm(cell_table&, seq_id_t, std::int64_t, std::int64_t) {}  // not const
     void check_seq_cp(const cell_table&, seq_id_t, seq_id_t, std::int64_t, std::int64_t) const {}  // returns void

@@ -103,8 +103,12 @@ void run_random(const model_shape& shape, std::uint32_t seed, int steps) {
                     while (set.count() < std::min(n_in_set, n_seq)) set.set(pick(0, n_seq - 1));
                     pos_t next = 0;
                     set.for_each([&](seq_id_t s) { next = std::max(next, max_of(s) + 1); });
+                    // batch position rule: a non-empty sequence continues at its last position + 1
+                    set.for_each([&](seq_id_t s) {
+                        if (max_of(s) >= 0 && max_of(s) + 1 != next) set.reset(s);
+                    });
                     const int n = pick(1, 6);
-                    const int gap = is_ring ? pick(0, 1) : pick(0, 3);
+                    const int gap = next > 0 ? 0 : is_ring ? pick(0, 1) : pick(0, 3);  // only where every sequence is empty
                     std::vector<pos_t> pos(static_cast<std::size_t>(n));
                     for (int i = 0; i < n; ++i) pos[static_cast<std::size_t>(i)] = next + gap + i;
                     std::vector<seq_set> sets(static_cast<std::size_t>(n), set);

@@ -103,7 +103,7 @@ TEST_CASE("paged: sequences fill their own blocks; empty blocks return to the po
     CHECK(cache.storage().block_table(0).empty());
     // holes left by seq_rm in a sequence's own blocks are reused before a new block
     REQUIRE(cache.seq_rm(1, 0, 20));
-    REQUIRE(kvtest::append(cache, model, 1, 100, 20, rng));
+    REQUIRE(kvtest::append(cache, model, 1, 50, 20, rng));
     cache.commit();
     CHECK(cache.storage().referenced_blocks() == 2);
     check_inv(cache);

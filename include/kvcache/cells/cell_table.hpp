@@ -10,6 +10,7 @@
 #include <cstdint>  // fixed-width integers
 #include <iterator> // std::prev
 #include <map>      // per-sequence position multiset
+#include <memory>   // observer checkpoints
 #include <set>      // ordered used cells
 #include <vector>   // arrays
 
@@ -22,18 +23,26 @@ KVCACHE_BEGIN_NAMESPACE
 /// Receives every change of cell occupancy and membership, in the order it happens.
 /// Layouts with per-block bookkeeping (paged, ring) attach one so that their tables
 /// stay incremental whichever path changed the cells (placement, restore, sequence
-/// ops, defragmentation, state loading). Callbacks must not throw.
+/// ops, defragmentation, state loading). Callbacks may allocate and so throw
+/// std::bad_alloc; the memory then puts the cell table and the observer back from a
+/// checkpoint (clone / assign_from / swap_state), so a throw leaves both as they were.
 class cell_observer {
 public:
-    virtual void on_seq_added(std::uint32_t cell, seq_id_t s) noexcept = 0;    ///< s now uses cell
-    virtual void on_seq_removed(std::uint32_t cell, seq_id_t s) noexcept = 0;  ///< s no longer uses cell
-    virtual void on_cleared() noexcept = 0;                                     ///< every cell is free
+    virtual void on_seq_added(std::uint32_t cell, seq_id_t s) = 0;    ///< s now uses cell
+    virtual void on_seq_removed(std::uint32_t cell, seq_id_t s) = 0;  ///< s no longer uses cell
+    virtual void on_cleared() = 0;                                     ///< every cell is free
+    /// A copy of this observer's state (for a checkpoint; may throw, nothing changed).
+    [[nodiscard]] virtual std::unique_ptr<cell_observer> clone() const = 0;
+    /// Copies the state of `o` (same dynamic type, made by clone) into this one, reusing its memory.
+    virtual void assign_from(const cell_observer& o) = 0;
+    /// Exchanges the states of this observer and `o` (same dynamic type); never allocates.
+    virtual void swap_state(cell_observer& o) noexcept = 0;
+    virtual ~cell_observer() = default;
 
 protected:
     cell_observer() = default;
     cell_observer(const cell_observer&) = default;
     cell_observer& operator=(const cell_observer&) = default;
-    ~cell_observer() = default;
 };
 
 namespace detail {
@@ -228,6 +237,8 @@ public:
     /// Attaches the observer told about every later change (nullptr detaches). It must
     /// outlive the table or be detached first; the table does not own it.
     void set_observer(cell_observer* o) noexcept { obs_.p = o; }
+    /// The attached observer, or nullptr (memories checkpoint it with the table).
+    [[nodiscard]] cell_observer* observer() const noexcept { return obs_.p; }
 
     /// Frees every cell.
     void clear() {

@@ -10,6 +10,7 @@
 
 #include "../cells/cell_table.hpp"
 #include "../detail/policy_select.hpp"
+#include "../cells/rollback.hpp"
 #include "../error.hpp"
 #include "../layout/capabilities.hpp"
 #include "parse.hpp"
@@ -127,10 +128,18 @@ result<prepared_commit> prepare_commit(const char* fn, Cache& cache, const stage
     return pc;
 }
 
-/// Commit phase 2, which cannot fail: moves the cells the layout makes room with, writes
-/// the metadata, pruning points and K/V of the staged state.
+/// The K/V bytes of a committed state (after finish_commit_meta of every part): never throws
+/// once the copy plan is built, so every step that can throw precedes the first byte.
 template <class Cache>
-load_info finish_commit(Cache& cache, staged_state&& st, seq_id_t dst, prepared_commit&& pc) {
+void write_state_kv(Cache& cache, const staged_state& st, const load_info& info) {
+    const copy_plan plan = make_copy_plan(info.cells);
+    for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l)
+        transfer_layer<false>(cache.storage().view(l), plan, info.cells, st.data + l * st.layer_bytes, nullptr);
+}
+
+/// Commit phase 2 without the K/V bytes (write_state_kv writes them).
+template <class Cache>
+load_info finish_commit_meta(Cache& cache, staged_state& st, seq_id_t dst, prepared_commit&& pc) {
     cell_table& ct = cache.cells_for_update(internal_access{});
     for (const auto& [from, to] : pc.picked.moves) {  // the layout makes room: move whole cells
         cache.storage().copy_cell(from, to);
@@ -148,9 +157,6 @@ load_info finish_commit(Cache& cache, staged_state&& st, seq_id_t dst, prepared_
     for (const auto& [s, w] : st.pruning) pruned_after[static_cast<std::size_t>(s)] = w;
     set_pruning_points(cache, pruned_after, st.kind == state_kind::whole_cache ? -1 : dst);
     if (st.kind == state_kind::whole_cache) cache.reset_head(internal_access{});
-    const copy_plan plan = make_copy_plan(info.cells);
-    for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l)
-        transfer_layer<false>(cache.storage().view(l), plan, info.cells, st.data + l * st.layer_bytes, nullptr);
     info.kind = st.kind;
     info.saved_seq = st.saved_seq;
     info.tokens = std::move(st.tokens);
@@ -158,14 +164,27 @@ load_info finish_commit(Cache& cache, staged_state&& st, seq_id_t dst, prepared_
     return info;
 }
 
+/// Commit phase 2, which cannot refuse: moves the cells the layout makes room with, writes
+/// the metadata, pruning points and K/V of the staged state.
+template <class Cache>
+load_info finish_commit(Cache& cache, staged_state&& st, seq_id_t dst, prepared_commit&& pc) {
+    load_info info = finish_commit_meta(cache, st, dst, std::move(pc));
+    write_state_kv(cache, st, info);
+    return info;
+}
+
 /// Applies a validated state (both phases). Only the layout can still refuse (no free cell
 /// it accepts); then the cell metadata and pruning points are put back exactly and no K/V
 /// byte was written.
+/// Strong guarantee also when an allocation throws: the cache is checkpointed first and
+/// put back (K/V bytes are written last, after every step that can throw).
 template <class Cache>
 result<load_info> commit_state(const char* fn, Cache& cache, staged_state&& st, seq_id_t dst) {
-    auto pc = prepare_commit(fn, cache, st, dst);
-    if (!pc) return make_error(pc.code(), pc.message());
-    return finish_commit(cache, std::move(st), dst, std::move(pc.value()));
+    return kvcache::detail::with_rollback(cache, [&]() -> result<load_info> {
+        auto pc = prepare_commit(fn, cache, st, dst);
+        if (!pc) return make_error(pc.code(), pc.message());
+        return finish_commit(cache, std::move(st), dst, std::move(pc.value()));
+    });
 }
 
 }  // namespace detail

@@ -114,33 +114,46 @@ result<load_info> load_composite(const char* fn, M& m, std::span<const std::byte
         staged.push_back(std::move(st.value()));
     });
     if (failed) return std::move(*failed);
-    std::vector<prepared_commit> prepared;
-    m.for_each_part(internal_access{}, [&](auto& part) {
-        if (failed) return;
-        const std::string who = std::string(fn) + ": part " + std::to_string(prepared.size());
-        auto pc = prepare_commit(who.c_str(), part, staged[prepared.size()], dst);
-        if (!pc) {
-            failed.emplace(make_error(pc.code(), pc.message()));
-            return;
+    // Strong guarantee also under std::bad_alloc: every part's metadata first, under a
+    // checkpoint of the whole memory, then the K/V bytes (which cannot throw).
+    auto commit_all = [&]() -> result<load_info> {
+        std::vector<prepared_commit> prepared;
+        m.for_each_part(internal_access{}, [&](auto& part) {
+            if (failed) return;
+            const std::string who = std::string(fn) + ": part " + std::to_string(prepared.size());
+            auto pc = prepare_commit(who.c_str(), part, staged[prepared.size()], dst);
+            if (!pc) {
+                failed.emplace(make_error(pc.code(), pc.message()));
+                return;
+            }
+            prepared.push_back(std::move(pc.value()));
+        });
+        if (failed) {  // put back the parts whose cells were chosen
+            std::size_t i = 0;
+            m.for_each_part(internal_access{}, [&](auto& part) {
+                if (i < prepared.size()) rollback_commit(part, staged[i], prepared[i]);
+                ++i;
+            });
+            return std::move(*failed);
         }
-        prepared.push_back(std::move(pc.value()));
-    });
-    if (failed) {  // put back the parts whose cells were chosen
+        std::vector<load_info> infos;
+        infos.reserve(prepared.size());
         std::size_t i = 0;
         m.for_each_part(internal_access{}, [&](auto& part) {
-            if (i < prepared.size()) rollback_commit(part, staged[i], prepared[i]);
+            infos.push_back(finish_commit_meta(part, staged[i], dst, std::move(prepared[i])));
             ++i;
         });
-        return std::move(*failed);
-    }
-    load_info info;
-    std::size_t i = 0;
-    m.for_each_part(internal_access{}, [&](auto& part) {
-        load_info li = finish_commit(part, std::move(staged[i]), dst, std::move(prepared[i]));
-        if (i == 0) info = std::move(li);
-        ++i;
-    });
-    return info;
+        i = 0;
+        m.for_each_part(internal_access{}, [&](auto& part) {
+            write_state_kv(part, staged[i], infos[i]);
+            ++i;
+        });
+        return std::move(infos.front());
+    };
+    if constexpr (requires { typename M::checkpoint; })
+        return kvcache::detail::with_rollback(m, commit_all);
+    else
+        return commit_all();
 }
 
 template <class M>

@@ -38,9 +38,10 @@
 //       Where a loaded state goes (io::load_state has no transaction): moves of existing
 //       cells first, then saved cell i -> cells[i]. Takes precedence over placement_plan
 //       in state loading.
-//   commit_hook       void on_commit(cell_table&) noexcept;
+//   commit_hook       void on_commit(cell_table&);
 //       Runs after every commit() that made staged placements permanent (ring: prunes
-//       the cells that left the window). May change the cell table; must not throw.
+//       the cells that left the window). May change the cell table and may throw
+//       (std::bad_alloc): commit() then puts the cells and the layout's tables back.
 // Refusals: a hook that refuses an expected runtime condition (positions the layout
 // dropped, no free block) returns an error result (errc::unsupported, errc::no_space)
 // that the cache returns unchanged from the sequence operation, nothing changed; a hook
@@ -138,7 +139,7 @@ enum class layout_caps : std::uint32_t {
     cell_observer = 1u << 0,     ///< cell_observer* observer()
     placement_plan = 1u << 1,    ///< plan_place(cells, pos, seqs) -> result<placement_plan>
     load_plan = 1u << 2,         ///< plan_load(cells, pos, seqs) -> result<load_plan>
-    commit_hook = 1u << 3,       ///< on_commit(cells) noexcept
+    commit_hook = 1u << 3,       ///< on_commit(cells)
     seq_rm_check = 1u << 4,      ///< check_seq_rm(cells, s, lo, hi) const -> result<void>
     seq_cp_check = 1u << 5,      ///< check_seq_cp(cells, src, dst, lo, hi) const -> result<void>
     seq_cp_hook = 1u << 6,       ///< before_seq_cp(cells, src, dst, lo, hi) -> result<void>
@@ -205,7 +206,7 @@ concept load_plan_hook = requires(S& s, const cell_table& c, std::span<const pos
 
 template <class S>
 concept on_commit_hook = requires(S& s, cell_table& c) {
-    { s.on_commit(c) } noexcept;
+    s.on_commit(c);
 };
 
 template <class S>
@@ -332,7 +333,7 @@ constexpr bool check_layout_capabilities() {
 
     static_assert(!has(layout_caps::commit_hook) || on_commit_hook<S>,
                   "kvcache: layout capability 'commit_hook' is declared but the storage has no "
-                  "`void on_commit(cell_table&) noexcept` (see kvcache/layout/capabilities.hpp)");
+                  "`void on_commit(cell_table&)` (see kvcache/layout/capabilities.hpp)");
     static_assert(has(layout_caps::commit_hook) || !names_on_commit<S>,
                   "kvcache: the layout storage defines on_commit() but does not declare layout capability "
                   "'commit_hook' in `capabilities` (see kvcache/layout/capabilities.hpp)");

@@ -58,7 +58,7 @@ public:
           tables_(n_seq_max),
           open_(n_seq_max, no_block) {}
 
-    void on_seq_added(std::uint32_t c, seq_id_t s) noexcept override {
+    void on_seq_added(std::uint32_t c, seq_id_t s) override {
         const std::uint32_t b = c / bs_;
         if (cell_refs_[c]++ == 0) ++block_used_[b];
         auto& v = block_seqs_[b];
@@ -71,7 +71,7 @@ public:
         tables_[static_cast<std::size_t>(s)].insert(b);
         pool_.retain_unchecked(b);
     }
-    void on_seq_removed(std::uint32_t c, seq_id_t s) noexcept override {
+    void on_seq_removed(std::uint32_t c, seq_id_t s) override {
         const std::uint32_t b = c / bs_;
         auto& v = block_seqs_[b];
         auto it = find(v, s);
@@ -84,7 +84,7 @@ public:
         }
         if (--cell_refs_[c] == 0) --block_used_[b];
     }
-    void on_cleared() noexcept override {
+    void on_cleared() override {
         std::fill(cell_refs_.begin(), cell_refs_.end(), std::uint16_t{0});
         std::fill(block_used_.begin(), block_used_.end(), 0u);
         for (auto& v : block_seqs_) v.clear();
@@ -92,6 +92,9 @@ public:
         std::fill(open_.begin(), open_.end(), no_block);
         pool_.reset();
     }
+    [[nodiscard]] std::unique_ptr<cell_observer> clone() const override { return std::make_unique<paged_tables>(*this); }
+    void assign_from(const cell_observer& o) override { *this = static_cast<const paged_tables&>(o); }
+    void swap_state(cell_observer& o) noexcept override { std::swap(*this, static_cast<paged_tables&>(o)); }
 
     [[nodiscard]] std::uint32_t block_size() const noexcept { return bs_; }
     [[nodiscard]] const block_pool& pool() const noexcept { return pool_; }
@@ -247,12 +250,15 @@ private:
         if (single)
             for (std::uint32_t b : tables_[static_cast<std::size_t>(s0)])
                 if (owned_by(b, set) && free_cell(cells, b, taken) != no_cell) return open = b;
-        // 3. copy-on-write: its last block is shared and not full
-        if (single && allow_cow && open != no_block && find(block_seqs_[open], s0) != block_seqs_[open].end() &&
-            block_seqs_[open].size() > 1 && free_cell(cells, open, taken) != no_cell) {
-            const std::uint32_t nb = fresh_block(new_blocks, open);
+        // 3. copy-on-write: its last block (the one it appended to last, else its highest,
+        //    e.g. after seq_cp) is shared and not full
+        const auto& own = tables_[static_cast<std::size_t>(s0)];
+        const std::uint32_t tail = open != no_block ? open : own.empty() ? no_block : *own.rbegin();
+        if (single && allow_cow && tail != no_block && find(block_seqs_[tail], s0) != block_seqs_[tail].end() &&
+            block_seqs_[tail].size() > 1 && free_cell(cells, tail, taken) != no_cell) {
+            const std::uint32_t nb = fresh_block(new_blocks, tail);
             if (nb == no_block) return no_block;
-            for (std::uint32_t c = open * bs_; c < (open + 1) * bs_; ++c) {
+            for (std::uint32_t c = tail * bs_; c < (tail + 1) * bs_; ++c) {
                 if (cells.is_free(c) || !cells.seqs(c).test(s0)) continue;
                 const std::uint32_t dst = free_cell(cells, nb, taken);
                 taken.insert(dst);

@@ -193,7 +193,7 @@ struct ring {
         }
 
         /// Prunes, for every sequence, the cells below its window (max position - Window + 1).
-        void on_commit(cell_table& cells) noexcept {
+        void on_commit(cell_table& cells) {
             tables_->settle();
             for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_); ++s) {
                 if (tables_->cells_of(s).empty()) continue;
@@ -374,7 +374,7 @@ struct ring {
         /// Moves foreign cell f (its region's sequence left it) with all its holders to a free
         /// cell in the region of one of them, lowest first: K/V of every layer, position and
         /// pending shift. Stays put when those regions are full.
-        void rehome(cell_table& cells, std::uint32_t f) noexcept {
+        void rehome(cell_table& cells, std::uint32_t f) {
             const seq_set holders = cells.seqs(f);
             std::uint32_t t = no_cell;
             holders.for_each([&](seq_id_t u) {

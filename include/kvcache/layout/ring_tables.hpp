@@ -7,8 +7,10 @@
 #include <algorithm>  // std::max, std::min, std::fill
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
+#include <memory>     // observer checkpoints (clone)
 #include <set>        // per-sequence cells
 #include <string>     // check() messages
+#include <utility>    // std::swap
 #include <vector>     // tables
 
 #include "../cells/cell_table.hpp"
@@ -34,14 +36,14 @@ public:
           used_in_(n_seq + 1, 0),
           foreign_in_(n_seq + 1, 0) {}
 
-    void on_seq_added(std::uint32_t c, seq_id_t s) noexcept override {
+    void on_seq_added(std::uint32_t c, seq_id_t s) override {
         const bool was = foreign(c);
         cells_[idx(s)].insert(c);
         if (holders_[c]++ == 0) ++used_in_[owner(c)];
         if (static_cast<std::uint32_t>(s) == owner(c)) owner_holds_[c] = 1;
         recount(c, was);
     }
-    void on_seq_removed(std::uint32_t c, seq_id_t s) noexcept override {
+    void on_seq_removed(std::uint32_t c, seq_id_t s) override {
         const bool was = foreign(c);
         auto& set = cells_[idx(s)];
         set.erase(c);
@@ -53,7 +55,7 @@ public:
         if (static_cast<std::uint32_t>(s) == owner(c)) owner_holds_[c] = 0;
         recount(c, was);
     }
-    void on_cleared() noexcept override {
+    void on_cleared() override {
         for (auto& set : cells_) set.clear();
         std::fill(emptied_.begin(), emptied_.end(), std::uint8_t{1});
         n_emptied_ = n_seq_;
@@ -62,6 +64,9 @@ public:
         std::fill(used_in_.begin(), used_in_.end(), 0u);
         std::fill(foreign_in_.begin(), foreign_in_.end(), 0u);
     }
+    [[nodiscard]] std::unique_ptr<cell_observer> clone() const override { return std::make_unique<ring_tables>(*this); }
+    void assign_from(const cell_observer& o) override { *this = static_cast<const ring_tables&>(o); }
+    void swap_state(cell_observer& o) noexcept override { std::swap(*this, static_cast<ring_tables&>(o)); }
 
     /// Resets the pruning point of every sequence that lost its last cell since the last
     /// call. Deferred to the layout's next hook: a transaction restore empties and refills

@@ -167,11 +167,22 @@ public:
             auto dry = swa_.storage().plan_place(swa_.cells(), pos, seqs);  // no side effects
             if (!dry) return detail::make_error(dry.code(), dry.message());
         }
+        typename full_cache::checkpoint cp;  // undoes the full cache's part if the ring throws
+        full_.save_checkpoint(cp, detail::internal_access{});
+        const std::size_t staged = full_.staged_count(detail::internal_access{});
         auto f = full_.place(pos, seqs);
         if (!f) return detail::make_error(f.code(), f.message());
-        auto w = swa_.place(pos, seqs);
-        KVCACHE_ASSERT(w.ok());
-        return iswa_placement{std::move(f.value()), std::move(w.value())};
+        try {
+            auto w = swa_.place(pos, seqs);
+            if (!w) {  // not reached after the dry run; kept for safety
+                full_.undo_place(cp, staged, detail::internal_access{});
+                return detail::make_error(w.code(), w.message());
+            }
+            return iswa_placement{std::move(f.value()), std::move(w.value())};
+        } catch (...) {
+            full_.undo_place(cp, staged, detail::internal_access{});
+            throw;
+        }
     }
 
     /// Writes K rows of model layer l for the placed tokens (n_head_kv x head_dim_k floats each).
@@ -180,21 +191,39 @@ public:
     void write_v(std::uint32_t l, const iswa_placement& p, const float* rows) { write("write_v", l, p, rows, true); }
 
     /// Commits both caches (the ring prunes what left the window).
-    tx_result commit() noexcept {
-        static_cast<void>(swa_.commit());
+    /// A std::bad_alloc from the ring's pruning leaves both caches as before the call
+    /// (transaction still open).
+    tx_result commit() {
+        static_cast<void>(swa_.commit());  // the only part that can throw: first
         return full_.commit();
     }
-    /// Restores both caches.
-    tx_result restore() {
+    /// Restores both caches. Never throws.
+    tx_result restore() noexcept {
         static_cast<void>(swa_.restore());
         return full_.restore();
+    }
+
+    /// Both caches' checkpoints (cells/rollback.hpp), for compound operations.
+    struct checkpoint {
+        typename full_cache::checkpoint full;
+        typename swa_cache::checkpoint swa;
+    };
+    void save_checkpoint(checkpoint& cp, detail::internal_access a) const {
+        full_.save_checkpoint(cp.full, a);
+        swa_.save_checkpoint(cp.swa, a);
+    }
+    void load_checkpoint(checkpoint& cp, detail::internal_access a) noexcept {
+        full_.load_checkpoint(cp.full, a);
+        swa_.load_checkpoint(cp.swa, a);
     }
 
     /// seq_rm on both caches or neither. Error result: unsupported (positions the ring pruned).
     [[nodiscard]] result<void> seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
         // The ring may refuse (positions pruned by the window) or throw (arguments): nothing changed.
-        if (result<void> r = swa_.seq_rm(s, p0, p1); !r) return r;
-        return full_.seq_rm(s, p0, p1);
+        return detail::with_rollback(*this, [&]() -> result<void> {
+            if (result<void> r = swa_.seq_rm(s, p0, p1); !r) return r;
+            return full_.seq_rm(s, p0, p1);
+        });
     }
     /// seq_cp on both caches or neither. Error result: unsupported (positions the ring pruned).
     [[nodiscard]] result<void> seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
@@ -205,14 +234,17 @@ public:
                         !ok)
                         return ok;  // pruned positions
         // The full cache may still refuse (dst holds a position: throws; its layout): the ring holds a subset.
-        if (result<void> r = full_.seq_cp(src, dst, p0, p1); !r) return r;
-        result<void> w = swa_.seq_cp(src, dst, p0, p1);
-        KVCACHE_ASSERT(w.ok());
-        return w;
+        return detail::with_rollback(*this, [&]() -> result<void> {
+            if (result<void> r = full_.seq_cp(src, dst, p0, p1); !r) return r;
+            return swa_.seq_cp(src, dst, p0, p1);  // checked above: refuses nothing
+        });
     }
     void seq_keep(seq_id_t s) {
-        full_.seq_keep(s);
-        swa_.seq_keep(s);
+        static_cast<void>(detail::with_rollback(*this, [&]() -> result<void> {
+            full_.seq_keep(s);
+            swa_.seq_keep(s);
+            return {};
+        }));
     }
     /// Adds delta to the positions of s (every sequence if s < 0) in [p0, p1) in both caches,
     /// or in neither (see the file comment; the ring's rules are in ring.hpp).
@@ -223,10 +255,10 @@ public:
             if (result<void> r = check_ring_move("seq_add", s, p0, p1, position_move{position_move::op::add, delta});
                 !r)
                 return r;
-        if (result<void> r = full_.seq_add(s, p0, p1, delta); !r) return r;
-        result<void> w = swa_.seq_add(s, p0, p1, delta);
-        KVCACHE_ASSERT(w.ok());
-        return w;
+        return detail::with_rollback(*this, [&]() -> result<void> {
+            if (result<void> r = full_.seq_add(s, p0, p1, delta); !r) return r;
+            return swa_.seq_add(s, p0, p1, delta);  // checked above: refuses nothing
+        });
     }
     /// Integer-divides the positions of s in [p0, p1) by d > 0 in both caches, or in neither
     /// (error results as seq_add).
@@ -234,16 +266,19 @@ public:
         if (d > 1)
             if (result<void> r = check_ring_move("seq_div", s, p0, p1, position_move{position_move::op::div, d}); !r)
                 return r;
-        if (result<void> r = full_.seq_div(s, p0, p1, d); !r) return r;
-        result<void> w = swa_.seq_div(s, p0, p1, d);
-        KVCACHE_ASSERT(w.ok());
-        return w;
+        return detail::with_rollback(*this, [&]() -> result<void> {
+            if (result<void> r = full_.seq_div(s, p0, p1, d); !r) return r;
+            return swa_.seq_div(s, p0, p1, d);  // checked above: refuses nothing
+        });
     }
     /// Whether either cache has a pending K-shift.
     [[nodiscard]] bool has_shift() const noexcept { return full_.has_shift() || swa_.has_shift(); }
     void clear() {
-        full_.clear();
-        swa_.clear();
+        static_cast<void>(detail::with_rollback(*this, [&]() -> result<void> {
+            full_.clear();
+            swa_.clear();
+            return {};
+        }));
     }
 
 private:
@@ -355,9 +390,11 @@ template <std::uint32_t Window, class... Policies>
                                                                std::span<const seq_step>(steps), "apply_plan");
         !r)
         return r;
-    for (const seq_step& st : steps)
-        if (result<void> r = run_step(cache, seq, st); !r) return r;  // checked above: not reached
-    return {};
+    return detail::with_rollback(cache, [&]() -> result<void> {  // a refusal or throw changes nothing
+        for (const seq_step& st : steps)
+            if (result<void> r = run_step(cache, seq, st); !r) return r;
+        return {};
+    });
 }
 }  // namespace reuse
 

@@ -10,18 +10,35 @@
 // - Kernels may use OpenMP threads inside one call; that is invisible to callers.
 // - Different kv_cache objects share nothing and can be used from different
 //   threads freely.
+//
+// Exception safety (strong guarantee)
+// -----------------------------------
+// Every mutating operation (place, commit, restore, seq_rm / seq_cp / seq_keep /
+// seq_add / seq_div, clear, and the compound operations of ops/, reuse/ and io/ built on
+// them) either completes or leaves the cache bit-identical: cell metadata, indexes, the
+// layout's tables (block tables, refcounts, free blocks, placement hints, ring pruning
+// points), the slot-search head and the K/V bytes of occupied cells. That holds for error
+// results and for exceptions, std::bad_alloc included. Each operation first saves a
+// checkpoint (a copy of the cell table and the layout's tables, reusing the memory of the
+// previous one) and puts it back without allocating; K/V bytes are copied only after the
+// last step that can throw, and only into free cells. restore() returns to the checkpoint
+// of the first staged placement and never throws. Free cells' K/V bytes are not state.
+// ops::apply_k_shift is refused (transaction_open) while placements are staged.
 #pragma once
 
 #include <algorithm>  // std::min, std::max
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
 #include <limits>     // position limits
+#include <memory>     // observer checkpoints
+#include <optional>   // checkpoints
 #include <span>       // batch inputs
 #include <string>     // messages
 #include <utility>    // std::pair
 #include <vector>     // placements, staging
 
 #include "../cells/cell_table.hpp"
+#include "../cells/rollback.hpp"
 #include "../concepts.hpp"
 #include "../detail/policy_select.hpp"
 #include "../element/contract.hpp"
@@ -198,6 +215,12 @@ public:
     // -------------------------------------------------------- placement (F3, F4)
 
     /// Places a micro-batch: token i has position pos[i] and belongs to sequence seq[i].
+    /// Batch position rule: the positions of a sequence that holds cells, in batch order,
+    /// continue its last position consecutively (p_max + 1, p_max + 2, ...); a sequence
+    /// with no cells takes any distinct positions >= 0 (a new prompt, or a saved sequence
+    /// put back). A gap, a decreasing or repeated position, or a position below the
+    /// sequence's last throws invalid_argument naming the sequence and positions. Placement has the strong guarantee: a refusal or a throw (also
+    /// std::bad_alloc) leaves the cache bit-identical.
     /// Invalid arguments throw kvcache::error(invalid_argument) and change nothing.
     /// Not enough free cells: an error result (no_space / batch_too_large), nothing changed.
     /// Placed cells are staged until commit() / restore().
@@ -226,33 +249,51 @@ public:
             return detail::make_error(errc::no_space, "place: batch of " + std::to_string(n) + " tokens needs " +
                                                           std::to_string(n) + " free cells, " +
                                                           std::to_string(cells_.free_count()) + " free");
-        placement out;
-        std::vector<cell_copy> copies;
-        if constexpr (has_capability<storage_t, layout_caps::placement_plan>) {
-            // Layout capability: the layout picks the cells and any copy-on-write of shared cells.
-            auto plan = storage_.plan_place(cells_, pos, seqs);
-            if (!plan) return detail::make_error(plan.code(), plan.message());
-            out.cells = std::move(plan.value().cells);
-            copies = std::move(plan.value().copies);
-        } else {
-            out.cells = find_free_cells(n);
+        // Strong guarantee: everything (the layout's planning hints included) goes back to
+        // this checkpoint on a refusal or a throw. The first placement of a transaction
+        // checkpoints into tx_cp_, which restore() returns to.
+        const bool first = staged_.empty();
+        checkpoint& cp = first ? tx_cp_ : op_cp_;
+        save_checkpoint(cp);
+        const std::size_t staged_before = staged_.size();
+        const std::uint32_t head_in = head_;
+        try {
+            placement out;
+            std::vector<cell_copy> copies;
+            if constexpr (has_capability<storage_t, layout_caps::placement_plan>) {
+                // Layout capability: the layout picks the cells and any copy-on-write of shared cells.
+                auto plan = storage_.plan_place(cells_, pos, seqs);
+                if (!plan) {
+                    load_checkpoint(cp);
+                    return detail::make_error(plan.code(), plan.message());
+                }
+                out.cells = std::move(plan.value().cells);
+                copies = std::move(plan.value().copies);
+            } else {
+                out.cells = find_free_cells(n);
+                if (first) cp.head = head_;  // restore() keeps the search restart (F3), as before
+            }
+            staged_.reserve(staged_.size() + n + copies.size());
+            for (const cell_copy& c : copies) {  // c.seq moves from c.src to its own copy c.dst
+                staged_.push_back(c.dst);
+                cells_.occupy(c.dst, cells_.pos(c.src), seq_set::of(c.seq));
+                cells_.set_shift(c.dst, cells_.shift(c.src));
+                cells_.rm_seq(c.src, c.seq);
+            }
+            for (std::uint32_t i = 0; i < n; ++i) {
+                staged_.push_back(out.cells[i]);
+                cells_.occupy(out.cells[i], pos[i], seqs[i]);
+            }
+            // K/V last (never throws): a throw above leaves every byte as it was.
+            for (const cell_copy& c : copies) storage_.copy_cell(c.src, c.dst);
+            if (n > 0) head_ = out.cells.back() + 1 == capacity() ? 0 : out.cells.back() + 1;
+            return out;
+        } catch (...) {
+            load_checkpoint(cp);
+            staged_.resize(staged_before);
+            head_ = head_in;
+            throw;
         }
-        if (staged_.empty()) head_before_tx_ = head_;
-        for (const cell_copy& cp : copies) {  // cp.seq moves from cp.src to its own copy cp.dst
-            staged_.push_back({cp.dst, cells_.save(cp.dst)});
-            staged_.push_back({cp.src, cells_.save(cp.src)});
-            storage_.copy_cell(cp.src, cp.dst);
-            cells_.occupy(cp.dst, cells_.pos(cp.src), seq_set::of(cp.seq));
-            cells_.set_shift(cp.dst, cells_.shift(cp.src));
-            cells_.rm_seq(cp.src, cp.seq);
-        }
-        for (std::uint32_t i = 0; i < n; ++i) {
-            const std::uint32_t c = out.cells[i];
-            staged_.push_back({c, cells_.save(c)});
-            cells_.occupy(c, pos[i], seqs[i]);
-        }
-        if (n > 0) head_ = out.cells.back() + 1 == capacity() ? 0 : out.cells.back() + 1;
-        return out;
     }
 
     /// Writes K rows for the placed cells of one layer: rows holds cells.size() rows of
@@ -271,22 +312,54 @@ public:
     [[nodiscard]] bool in_transaction() const noexcept { return !staged_.empty(); }
 
     /// Makes every staged placement permanent. With nothing staged: returns nothing_staged.
-    tx_result commit() noexcept {
+    /// Never throws, except on a layout with a commit hook (ring: pruning moves cells,
+    /// which allocates): a std::bad_alloc there leaves the transaction open and the cache
+    /// as it was before the call.
+    tx_result commit() noexcept(!has_capability<storage_t, layout_caps::commit_hook>) {
         if (staged_.empty()) return tx_result::nothing_staged;
+        if constexpr (has_capability<storage_t, layout_caps::commit_hook>) {
+            save_checkpoint(op_cp_);
+            try {
+                storage_.on_commit(cells_);  // layout capability, e.g. SWA pruning
+            } catch (...) {
+                load_checkpoint(op_cp_);
+                throw;
+            }
+        }
         staged_.clear();
-        if constexpr (has_capability<storage_t, layout_caps::commit_hook>)
-            storage_.on_commit(cells_);  // layout capability, e.g. SWA pruning
         return tx_result::committed;
     }
 
-    /// Puts every cell touched since the last commit back exactly (metadata and
-    /// indexes). With nothing staged: returns nothing_staged.
-    tx_result restore() {
+    /// Puts the cache back exactly as it was before the first staged placement (cell
+    /// metadata, indexes, the layout's tables and placement hints, the slot-search head);
+    /// K/V bytes of occupied cells were never changed by placements. Never throws.
+    /// With nothing staged: returns nothing_staged.
+    tx_result restore() noexcept {
         if (staged_.empty()) return tx_result::nothing_staged;
-        for (auto it = staged_.rbegin(); it != staged_.rend(); ++it) cells_.load(it->cell, it->before);
+        load_checkpoint(tx_cp_);
         staged_.clear();
-        head_ = head_before_tx_;
         return tx_result::restored;
+    }
+
+    /// Everything a rollback needs: cell table, the layout's tables, the slot-search head.
+    /// Library components use it for compound operations (ops/, reuse/, io/).
+    struct checkpoint {
+        std::optional<cell_table> cells;
+        std::unique_ptr<cell_observer> obs;
+        std::uint32_t head = 0;
+    };
+    /// Saves the state into `cp` (may throw std::bad_alloc; nothing changed then).
+    void save_checkpoint(checkpoint& cp, detail::internal_access) const { save_checkpoint(cp); }
+    /// Puts the state saved in `cp` back (`cp` then holds the discarded state). Never throws.
+    /// Staged placements are not tracked: call it only with no transaction open, or on a
+    /// checkpoint taken inside the same transaction.
+    void load_checkpoint(checkpoint& cp, detail::internal_access) noexcept { load_checkpoint(cp); }
+    /// Number of staged cells (a composite undoes one placement with it and a checkpoint).
+    [[nodiscard]] std::size_t staged_count(detail::internal_access) const noexcept { return staged_.size(); }
+    /// Undoes the placements made since `cp` was saved, when staged_count() was `n`. Never throws.
+    void undo_place(checkpoint& cp, std::size_t n, detail::internal_access) noexcept {
+        load_checkpoint(cp);
+        staged_.resize(n);
     }
 
     // ------------------------------------------------------- sequence ops (F5)
@@ -311,13 +384,16 @@ public:
         std::vector<std::uint32_t> hit;
         for (std::uint32_t c : cells_.used_cells())
             if (in_range(c, lo, hi) && (s < 0 || cells_.seqs(c).test(s))) hit.push_back(c);
-        for (std::uint32_t c : hit) {
-            if (s < 0)
-                cells_.free_cell(c);
-            else
-                cells_.rm_seq(c, s);
-        }
-        return {};
+        if (hit.empty()) return {};
+        return atomically([&]() -> result<void> {
+            for (std::uint32_t c : hit) {
+                if (s < 0)
+                    cells_.free_cell(c);
+                else
+                    cells_.rm_seq(c, s);
+            }
+            return {};
+        });
     }
 
     /// Adds sequence dst to every cell of src with position in [p0, p1), sharing the
@@ -338,13 +414,15 @@ public:
                                  std::to_string(cells_.pos(c)) + "; seq_rm it first");
             hit.push_back(c);
         }
-        if constexpr (has_capability<storage_t, layout_caps::seq_cp_hook>) {
-            if (result<void> r = storage_.before_seq_cp(cells_, src, dst, lo, hi); !r) return r;  // may refuse
-        } else if constexpr (has_capability<storage_t, layout_caps::seq_cp_check>) {
-            if (result<void> r = storage_.check_seq_cp(cells_, src, dst, lo, hi); !r) return r;
-        }
-        for (std::uint32_t c : hit) cells_.add_seq(c, dst);
-        return {};
+        return atomically([&]() -> result<void> {
+            if constexpr (has_capability<storage_t, layout_caps::seq_cp_hook>) {
+                if (result<void> r = storage_.before_seq_cp(cells_, src, dst, lo, hi); !r) return r;  // may refuse
+            } else if constexpr (has_capability<storage_t, layout_caps::seq_cp_check>) {
+                if (result<void> r = storage_.check_seq_cp(cells_, src, dst, lo, hi); !r) return r;
+            }
+            for (std::uint32_t c : hit) cells_.add_seq(c, dst);
+            return {};
+        });
     }
 
     /// Removes every sequence other than s; cells not used by s become free.
@@ -352,15 +430,18 @@ public:
         check_no_tx("seq_keep");
         check_seq("seq_keep", "seq_id", s, false);
         std::vector<std::uint32_t> hit(cells_.used_cells().begin(), cells_.used_cells().end());
-        for (std::uint32_t c : hit) {
-            if (!cells_.seqs(c).test(s)) {
-                cells_.free_cell(c);
-            } else {
-                seq_set others = cells_.seqs(c);
-                others.reset(s);
-                others.for_each([&](seq_id_t t) { cells_.rm_seq(c, t); });
+        static_cast<void>(atomically([&]() -> result<void> {
+            for (std::uint32_t c : hit) {
+                if (!cells_.seqs(c).test(s)) {
+                    cells_.free_cell(c);
+                } else {
+                    seq_set others = cells_.seqs(c);
+                    others.reset(s);
+                    others.for_each([&](seq_id_t t) { cells_.rm_seq(c, t); });
+                }
             }
-        }
+            return {};
+        }));
     }
 
     /// Adds delta to the positions of sequence s (every sequence if s < 0) in [p0, p1).
@@ -377,7 +458,8 @@ public:
         const auto [lo, hi] = range("seq_add", p0, p1);
         require_shift("seq_add");
         if (delta == 0) return {};
-        return move_positions("seq_add", s, lo, hi, position_move{position_move::op::add, delta});
+        return atomically(
+            [&] { return move_positions("seq_add", s, lo, hi, position_move{position_move::op::add, delta}); });
     }
 
     /// Integer-divides the positions of sequence s (every sequence if s < 0) in [p0, p1)
@@ -389,12 +471,16 @@ public:
         if (d <= 0) detail::fail(errc::invalid_argument, "seq_div: d = " + std::to_string(d) + ", must be > 0");
         require_shift("seq_div");
         if (d == 1) return {};
-        return move_positions("seq_div", s, lo, hi, position_move{position_move::op::div, d});
+        return atomically([&] { return move_positions("seq_div", s, lo, hi, position_move{position_move::op::div, d}); });
     }
 
-    /// Frees every cell and drops any staged placement.
+    /// Frees every cell and drops any staged placement. A throw (std::bad_alloc from the
+    /// layout's tables) leaves everything as it was.
     void clear() {
-        cells_.clear();
+        static_cast<void>(atomically([&]() -> result<void> {
+            cells_.clear();
+            return {};
+        }));
         staged_.clear();
         head_ = 0;
     }
@@ -415,10 +501,42 @@ public:
     void reset_head(detail::internal_access) noexcept { head_ = 0; }
 
 private:
-    struct staged_cell {
-        std::uint32_t cell;
-        cell_table::snapshot before;
-    };
+    void save_checkpoint(checkpoint& cp) const {
+        if (cp.cells)
+            *cp.cells = cells_;  // reuses the checkpoint's memory (tree nodes, vectors)
+        else
+            cp.cells.emplace(cells_);
+        if (cell_observer* o = cells_.observer(); o != nullptr) {
+            if (cp.obs)
+                cp.obs->assign_from(*o);
+            else
+                cp.obs = o->clone();
+        }
+        cp.head = head_;
+    }
+    void load_checkpoint(checkpoint& cp) noexcept {
+        KVCACHE_ASSERT(cp.cells.has_value());
+        cell_observer* o = cells_.observer();
+        std::swap(cells_, *cp.cells);
+        cells_.set_observer(o);
+        cp.cells->set_observer(nullptr);
+        if (o != nullptr) o->swap_state(*cp.obs);
+        std::swap(head_, cp.head);
+    }
+    /// Runs f (returning result<void>) with the strong guarantee: an error result or a
+    /// throw puts everything back as before the call.
+    template <class F>
+    result<void> atomically(F&& f) {
+        save_checkpoint(op_cp_);
+        try {
+            result<void> r = f();
+            if (!r) load_checkpoint(op_cp_);
+            return r;
+        } catch (...) {
+            load_checkpoint(op_cp_);
+            throw;
+        }
+    }
 
     static const model_shape& validated(const model_shape& s) {
         s.validate();
@@ -481,11 +599,30 @@ private:
                 pairs.emplace_back(s, pos[i]);
             });
         }
+        std::vector<std::pair<seq_id_t, pos_t>> in_order = pairs;  // batch order within each sequence
         std::sort(pairs.begin(), pairs.end());
         const auto dup = std::adjacent_find(pairs.begin(), pairs.end());
         if (dup != pairs.end())
             detail::fail(errc::invalid_argument, "place: the batch puts sequence " + std::to_string(dup->first) +
                                                      " at position " + std::to_string(dup->second) + " twice");
+        // Batch position rule: the positions of a sequence that holds cells continue its last
+        // position consecutively, in batch order; an empty sequence takes any distinct
+        // positions (a new prompt, or a saved sequence put back by a prompt cache).
+        std::stable_sort(in_order.begin(), in_order.end(),
+                         [](const auto& x, const auto& y) { return x.first < y.first; });
+        for (std::size_t i = 0; i < in_order.size(); ++i) {
+            const auto [s, p] = in_order[i];
+            if (cells_.seq_pos_max(s) < 0) continue;  // empty: any distinct positions
+            const bool first = i == 0 || in_order[i - 1].first != s;
+            const pos_t last = first ? cells_.seq_pos_max(s) : in_order[i - 1].second;
+            if (std::int64_t{p} != std::int64_t{last} + 1)
+                detail::fail(errc::invalid_argument,
+                             "place: sequence " + std::to_string(s) + " gets position " + std::to_string(p) +
+                                 (first ? " but its last position in the cache is "
+                                        : " right after position ") +
+                                 std::to_string(last) + "; a sequence's positions in a batch must continue its last "
+                                 "position consecutively (expected " + std::to_string(std::int64_t{last} + 1) + ")");
+        }
     }
 
     /// F3: n free cells starting at head_ (wrapping); if head_ > used + 2n, search from 0.
@@ -567,6 +704,8 @@ private:
             for (std::uint32_t c = 0; targets.size() < splits; ++c)
                 if (cells_.is_free(c)) targets.push_back(c);
         std::size_t next_target = 0;
+        std::vector<std::pair<std::uint32_t, std::uint32_t>> copies;  // K/V copied last: never throws
+        copies.reserve(splits);
         for (std::uint32_t c : hit) {
             const std::int64_t np = f(cells_.pos(c));
             if (np < 0) {
@@ -579,22 +718,24 @@ private:
             std::uint32_t target = c;
             if (s >= 0 && cells_.seqs(c).count() > 1) {  // split: s gets its own copy
                 target = targets[next_target++];
-                storage_.copy_cell(c, target);
+                copies.emplace_back(c, target);
                 cells_.rm_seq(c, s);
                 cells_.occupy(target, cells_.pos(c), seq_set::of(s));
                 cells_.set_shift(target, cells_.shift(c));
             }
             cells_.move_pos(target, static_cast<pos_t>(np));
         }
+        for (const auto& [from, to] : copies) storage_.copy_cell(from, to);
         return {};
     }
 
     model_shape shape_;
     cell_table cells_;
     storage_t storage_;
-    std::vector<staged_cell> staged_;   // cells touched since the last commit, in order
-    std::uint32_t head_ = 0;            // where the next slot search starts (F3)
-    std::uint32_t head_before_tx_ = 0;  // head_ when the first staged placement was made
+    std::vector<std::uint32_t> staged_;  // cells placed since the last commit, in order
+    std::uint32_t head_ = 0;             // where the next slot search starts (F3)
+    checkpoint tx_cp_;                   // the state before the first staged placement (restore())
+    checkpoint op_cp_;                   // the state before the running operation (its rollback)
 };
 
 static_assert(memory<kv_cache<>> && kv_memory<kv_cache<>>, "kvcache: kv_cache must satisfy kvcache::kv_memory");

@@ -40,6 +40,7 @@
 #include <cstddef>   // std::size_t
 #include <cstdint>   // std::uint32_t
 #include <span>      // place arguments
+#include <utility>   // std::declval
 #include <vector>    // placement
 
 #include "../cells/cell_table.hpp"
@@ -149,8 +150,10 @@ public:
     ~transaction() {
         if (cache_ != nullptr) static_cast<void>(cache_->restore());
     }
-    /// Commits the staged placements; the guard then does nothing.
-    tx_result commit() noexcept {
+    /// Commits the staged placements; the guard then does nothing. A commit that throws
+    /// (std::bad_alloc from a layout's commit hook, ring pruning) leaves the placements
+    /// staged and the guard armed: its destructor restores them.
+    tx_result commit() noexcept(noexcept(std::declval<Memory&>().commit())) {
         tx_result r = cache_ != nullptr ? cache_->commit() : tx_result::nothing_staged;
         cache_ = nullptr;
         return r;

@@ -12,6 +12,7 @@
 #include <utility>   // std::pair
 #include <vector>    // steps for the layout hook
 
+#include "../cells/rollback.hpp"
 #include "../error.hpp"
 #include "../cells/seq_step.hpp"
 #include "../layout/capabilities.hpp"
@@ -113,10 +114,13 @@ template <class Memory>
     else
         allowed = detail_ctx::check_context_shift(cache, seq, n_keep, discard);
     if (!allowed) return detail::make_error(allowed.code(), allowed.message());
-    if (result<void> r = cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from)); !r)
-        return detail::make_error(r.code(), r.message());  // checked above: not reached
-    if (result<void> r = cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard); !r)
-        return detail::make_error(r.code(), r.message());  // checked above (paged: free blocks may not suffice)
+    // Both calls or neither: a refusal of the second (paged: no free block for the splits)
+    // or a throw (std::bad_alloc) rolls the first back.
+    result<void> done = detail::with_rollback(cache, [&]() -> result<void> {
+        if (result<void> r = cache.seq_rm(seq, n_keep, static_cast<pos_t>(moved_from)); !r) return r;
+        return cache.seq_add(seq, static_cast<pos_t>(moved_from), -1, -discard);
+    });
+    if (!done) return detail::make_error(done.code(), done.message());
     return context_shift_result{n_keep, discard, n_past - discard};
 }
 
@@ -222,13 +226,18 @@ template <class Memory>
     else
         allowed = detail_ctx::check_self_extend(cache, seq, st, n_past);
     if (!allowed) return detail::make_error(allowed.code(), allowed.message());
-    result<void> ran;
-    const auto [np, gi] = detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) {
-        if (ran) ran = run_step(cache, seq, x);  // checked above (paged: free blocks may not suffice)
+    std::pair<std::int64_t, std::int64_t> after{};
+    // Every round or none: a refusal (paged: free blocks for splits) or a throw rolls back.
+    result<void> ran = detail::with_rollback(cache, [&]() -> result<void> {
+        result<void> r;
+        after = detail_ctx::self_extend_steps(st, n_past, [&](const seq_step& x) {
+            if (r) r = run_step(cache, seq, x);
+        });
+        return r;
     });
     if (!ran) return detail::make_error(ran.code(), ran.message());
-    st.ga_i = static_cast<pos_t>(gi);
-    return static_cast<pos_t>(np);
+    st.ga_i = static_cast<pos_t>(after.second);
+    return static_cast<pos_t>(after.first);
 }
 
 }  // namespace ops

@@ -24,6 +24,7 @@
 #include "../cells/cell_table.hpp"
 #include "../config.hpp"
 #include "../detail/policy_select.hpp"
+#include "../cells/rollback.hpp"
 #include "../error.hpp"
 #include "../format/kv_view.hpp"
 #include "../layout/capabilities.hpp"
@@ -143,13 +144,17 @@ defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
                         std::memcpy(v.v + v.v_offset(h, r.dst, d), v.v + v.v_offset(h, r.src, d), sizeof(T) * r.len);
             }
     }
-    // Metadata: each destination takes its source's exact state.
-    for (std::size_t i = 0; i < holes.size(); ++i) {
-        const cell_table::snapshot s = cells.save(data[i]);
-        cells.free_cell(data[i]);
-        cells.load(holes[i], s);
-    }
-    cache.reset_head(detail::internal_access{});
+    // Metadata: each destination takes its source's exact state. K/V was copied into free
+    // cells only, so a throw here (std::bad_alloc) rolls back to a bit-identical cache.
+    static_cast<void>(detail::with_rollback(cache, [&]() -> result<void> {
+        for (std::size_t i = 0; i < holes.size(); ++i) {
+            const cell_table::snapshot s = cells.save(data[i]);
+            cells.free_cell(data[i]);
+            cells.load(holes[i], s);
+        }
+        cache.reset_head(detail::internal_access{});
+        return {};
+    }));
     res.moves = static_cast<std::uint32_t>(holes.size());
     res.bytes_moved = holes.size() * cache.bytes_per_token();
     return res;

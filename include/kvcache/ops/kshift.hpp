@@ -141,10 +141,13 @@ plan make_plan(const Cache& cache, int n_threads) {
 /// frequencies K was rotated with, never by the magnitude attn_factor (see make_plan).
 /// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
 /// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
+/// Refused (kvcache::error transaction_open, nothing changed) while placements are staged.
 template <class Cache>
 void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
     static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
                                     "kvcache::composite_memory (see kvcache/memory/memory.hpp)");
+    if (cache.in_transaction())  // restore() would put back metadata of K already rotated
+        kvcache::detail::fail(errc::transaction_open, "apply_k_shift: placements are staged; commit() or restore() first");
     if (!cache.has_shift()) return;
     using storage_type = typename Cache::storage_type;
     using element = typename Cache::element;

@@ -20,6 +20,7 @@
 #include <string_view>  // check_plan caller name
 #include <vector>   // moves
 
+#include "../cells/rollback.hpp"
 #include "../error.hpp"
 #include "../cells/seq_step.hpp"
 #include "../layout/capabilities.hpp"
@@ -241,7 +242,8 @@ inline void check_apply_args(seq_id_t seq, std::uint32_t n_seq_max, bool in_tran
 /// positions), transaction_open, invalid_argument (seq, or a move with dst < 0, dst > src
 /// or src + n past 2^31-1, or n_past past 2^31-1). A layout whose split targets need
 /// whole free blocks (paged) may still refuse a seq_add after the plan's first seq_rm;
-/// the result then carries that refusal.
+/// the result then carries that refusal and the cache is rolled back (strong guarantee,
+/// also when an allocation throws).
 template <class Cache>
 [[nodiscard]] result<void> apply_plan(Cache& cache, seq_id_t seq, const plan& p) {
     // reuse/ sits below memory/ in the layering, so the check spells out what this needs
@@ -275,11 +277,13 @@ template <class Cache>
                 return r;
         }
     }
-    result<void> out;
-    for_each_step(p, [&](const seq_step& st) {
-        if (out) out = run_step(cache, seq, st);
+    return detail::with_rollback(cache, [&] {  // a refusal or a throw in any call changes nothing
+        result<void> out;
+        for_each_step(p, [&](const seq_step& st) {
+            if (out) out = run_step(cache, seq, st);
+        });
+        return out;
     });
-    return out;
 }
 
 }  // namespace reuse
