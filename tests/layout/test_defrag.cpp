@@ -7,7 +7,9 @@
 #include <kvcache/element/f16.hpp>
 #include <kvcache/memory/kv_cache.hpp>
 #include <kvcache/ops/attention.hpp>
+#include <kvcache/io/state.hpp>
 #include <kvcache/ops/defrag.hpp>
+#include <kvcache/ops/kshift.hpp>
 
 #include <cmath>
 #include <cstdio>
@@ -48,8 +50,10 @@ void fragment(Cache& cache, kvtest::layout_model& model, std::mt19937& rng, int 
 template <class Cache>
 std::vector<float> attention_all(const Cache& cache_in, std::uint32_t layer, const std::vector<float>& q,
                                  ops::kernel_path path) {
-    // ops::attention refuses pending K-shifts (fragment() leaves some): on a copy, applied.
-    Cache cache = cache_in;
+    // ops::attention refuses pending K-shifts (fragment() leaves some): on a copy made
+    // through a state (which carries the pending shifts), with them applied.
+    Cache cache(cache_in.shape());
+    REQUIRE(kvcache::io::load_state(cache, kvcache::io::save_state(cache_in)).ok());
     ops::apply_k_shift(cache);
     const auto n_seq = cache.shape().n_seq_max;
     std::vector<pos_t> qp(n_seq);
