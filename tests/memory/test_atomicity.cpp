@@ -128,7 +128,7 @@ TEST_CASE("issue 25.3: apply_k_shift is refused while placements are staged (cop
     CHECK(kvtest::snapshot(c) == kvtest::snapshot(twin));
 }
 
-TEST_CASE("issue 25.8: batch positions continue each sequence's last position consecutively") {
+TEST_CASE("issue 25.8: batch positions of a sequence increase after its last position") {
     kv_cache<> c(shape(64, 3));
     put(c, 0, 0, 4);
     REQUIRE(c.seq_rm(0, 1, 2).ok());  // a hole below the last position
@@ -138,10 +138,17 @@ TEST_CASE("issue 25.8: batch positions continue each sequence's last position co
         CHECK_THROWS_WITH_AS(static_cast<void>(c.place(pos, seq)), doctest::Contains(what), kvcache::error);
         CHECK(kvtest::snapshot(c) == before);
     };
-    refuse({5}, {0}, "sequence 0 gets position 5 but its last position in the cache is 3");      // gap
     refuse({1}, {0}, "sequence 0 gets position 1 but its last position in the cache is 3");      // below
-    refuse({4, 6}, {0, 0}, "sequence 0 gets position 6 right after position 4");                  // gap inside
-    refuse({5, 4}, {0, 0}, "sequence 0 gets position 5 but its last position");                   // decreasing
+    refuse({3}, {0}, "sequence 0 already holds position 3");                                      // repeated
+    refuse({6, 5}, {0, 0}, "sequence 0 gets position 5 right after position 6");                  // decreasing
+    refuse({4, 1}, {0, 0}, "expected > 4");  // into the hole below the last position
+    {  // a gap is the host's choice: accepted
+        std::vector<pos_t> pos{5, 8};
+        std::vector<seq_id_t> seq{0, 0};
+        REQUIRE(c.place(pos, seq).ok());
+        CHECK(c.restore() == tx_result::restored);
+        CHECK(kvtest::snapshot(c) == before);
+    }
     // an empty sequence takes any distinct positions (a saved sequence put back)
     {
         std::vector<pos_t> pos{7, 2, 9};
@@ -150,7 +157,7 @@ TEST_CASE("issue 25.8: batch positions continue each sequence's last position co
         CHECK(c.restore() == tx_result::restored);
         CHECK(kvtest::snapshot(c) == before);
     }
-    // interleaved sequences each stay consecutive
+    // interleaved sequences each increase
     std::vector<pos_t> pos{4, 100, 5, 101};
     std::vector<seq_id_t> seq{0, 1, 0, 1};
     auto r = c.place(pos, seq);
@@ -158,7 +165,7 @@ TEST_CASE("issue 25.8: batch positions continue each sequence's last position co
     CHECK(c.commit() == tx_result::committed);
     CHECK(c.seq_pos_max(0) == 5);
     CHECK(c.seq_pos_max(1) == 101);
-    // multi-sequence tokens: every sequence of the set must continue
+    // multi-sequence tokens: every sequence of the set must continue after its last
     REQUIRE(c.seq_cp(0, 2, -1, -1).ok());
     std::vector<pos_t> p2{6};
     seq_set s02 = seq_set::of(0), s01 = seq_set::of(0);
@@ -167,7 +174,7 @@ TEST_CASE("issue 25.8: batch positions continue each sequence's last position co
     std::vector<seq_set> both{s02};
     CHECK(c.place(p2, both).ok());
     CHECK(c.restore() == tx_result::restored);
-    std::vector<seq_set> mixed{s01};
+    std::vector<seq_set> mixed{s01};  // position 6 is below sequence 1's last (101)
     CHECK_THROWS_AS(static_cast<void>(c.place(p2, mixed)), kvcache::error);
 }
 

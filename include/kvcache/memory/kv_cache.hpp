@@ -215,11 +215,12 @@ public:
     // -------------------------------------------------------- placement (F3, F4)
 
     /// Places a micro-batch: token i has position pos[i] and belongs to sequence seq[i].
-    /// Batch position rule: the positions of a sequence that holds cells, in batch order,
-    /// continue its last position consecutively (p_max + 1, p_max + 2, ...); a sequence
-    /// with no cells takes any distinct positions >= 0 (a new prompt, or a saved sequence
-    /// put back). A gap, a decreasing or repeated position, or a position below the
-    /// sequence's last throws invalid_argument naming the sequence and positions. Placement has the strong guarantee: a refusal or a throw (also
+    /// Batch position rule: a sequence that holds cells continues after its last position,
+    /// its positions increasing in batch order (gaps are allowed: the host owns its
+    /// positions); a sequence with no cells takes any distinct positions >= 0 (a new
+    /// prompt, or a saved sequence put back in cell order). A decreasing or repeated
+    /// position, or one at or below the sequence's last, throws invalid_argument naming
+    /// the sequence and positions. Placement has the strong guarantee: a refusal or a throw (also
     /// std::bad_alloc) leaves the cache bit-identical.
     /// Invalid arguments throw kvcache::error(invalid_argument) and change nothing.
     /// Not enough free cells: an error result (no_space / batch_too_large), nothing changed.
@@ -605,9 +606,9 @@ private:
         if (dup != pairs.end())
             detail::fail(errc::invalid_argument, "place: the batch puts sequence " + std::to_string(dup->first) +
                                                      " at position " + std::to_string(dup->second) + " twice");
-        // Batch position rule: the positions of a sequence that holds cells continue its last
-        // position consecutively, in batch order; an empty sequence takes any distinct
-        // positions (a new prompt, or a saved sequence put back by a prompt cache).
+        // Batch position rule: the positions of a sequence that holds cells increase in batch
+        // order, after its last position (gaps allowed); an empty sequence takes any
+        // distinct positions (a new prompt, or a saved sequence put back in cell order).
         std::stable_sort(in_order.begin(), in_order.end(),
                          [](const auto& x, const auto& y) { return x.first < y.first; });
         for (std::size_t i = 0; i < in_order.size(); ++i) {
@@ -615,13 +616,13 @@ private:
             if (cells_.seq_pos_max(s) < 0) continue;  // empty: any distinct positions
             const bool first = i == 0 || in_order[i - 1].first != s;
             const pos_t last = first ? cells_.seq_pos_max(s) : in_order[i - 1].second;
-            if (std::int64_t{p} != std::int64_t{last} + 1)
+            if (p <= last)
                 detail::fail(errc::invalid_argument,
                              "place: sequence " + std::to_string(s) + " gets position " + std::to_string(p) +
                                  (first ? " but its last position in the cache is "
                                         : " right after position ") +
-                                 std::to_string(last) + "; a sequence's positions in a batch must continue its last "
-                                 "position consecutively (expected " + std::to_string(std::int64_t{last} + 1) + ")");
+                                 std::to_string(last) + "; a sequence's positions in a batch must increase, after "
+                                 "its last position (expected > " + std::to_string(last) + ")");
         }
     }
 
