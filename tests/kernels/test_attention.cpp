@@ -13,8 +13,13 @@
 
 #include "reference/attention_ref.hpp"
 #include "support/result_check.hpp"
+#include "kernels/kernel_test_util.hpp"
 
 namespace {
+
+using kvtest::block_cells;
+using kvtest::layout_combo;
+using kvtest::nmse;
 
 using kvcache::pos_t;
 using kvcache::seq_id_t;
@@ -112,16 +117,6 @@ void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed) {
     }
 }
 
-double nmse(const std::vector<float>& got, const std::vector<double>& want) {
-    double num = 0.0, den = 0.0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-        const double d = got[i] - want[i];
-        num += d * d;
-        den += want[i] * want[i];
-    }
-    return den > 0.0 ? num / den : num;
-}
-
 struct query_set {
     std::vector<float> q;
     std::vector<pos_t> pos;
@@ -140,12 +135,6 @@ query_set random_queries(std::mt19937& rng, std::uint32_t n_q, std::uint32_t n_h
     }
     return qs;
 }
-
-// Cells per block of a paged layout (its capacity must be a multiple), 1 otherwise.
-template <class Layout>
-constexpr std::uint32_t block_cells = 1;
-template <std::uint32_t B, kvcache::v_layout V>
-constexpr std::uint32_t block_cells<kvcache::paged<B, V>> = B;
 
 template <class Cache>
 void check_case(scenario_cfg c, std::uint32_t seed, std::uint32_t group, std::uint32_t n_q,
@@ -221,13 +210,6 @@ void check_case(scenario_cfg c, std::uint32_t seed, std::uint32_t group, std::ui
     }
 }
 
-template <class Element, class Layout>
-struct layout_combo {
-    using cache = kvcache::kv_cache<Element, Layout>;
-    static constexpr double tol_f32 = std::is_same_v<Element, kvcache::f32>   ? 1e-10
-                                      : std::is_same_v<Element, kvcache::f16> ? 5e-4
-                                                                              : 5e-3;
-};
 template <class Element, kvcache::v_layout VL>
 using combo = layout_combo<Element, kvcache::contiguous<VL>>;
 

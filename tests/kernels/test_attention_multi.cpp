@@ -20,8 +20,13 @@
 
 #include "reference/attention_ref.hpp"
 #include "support/result_check.hpp"
+#include "kernels/kernel_test_util.hpp"
 
 namespace {
+
+using kvtest::block_cells;
+using kvtest::layout_combo;
+using kvtest::nmse;
 
 using kvcache::pos_t;
 using kvcache::seq_id_t;
@@ -36,10 +41,6 @@ struct multi_cfg {
     std::uint32_t rounds = 60;     // then interleaved appends of 1-8 tokens to random sequences
 };
 
-template <class Layout>
-constexpr std::uint32_t block_cells = 1;
-template <std::uint32_t B, kvcache::v_layout V>
-constexpr std::uint32_t block_cells<kvcache::paged<B, V>> = B;
 
 template <class Cache>
 kvcache::model_shape make_shape(multi_cfg c) {
@@ -163,15 +164,6 @@ rows subset(const rows& r, const std::vector<std::uint32_t>& pick, std::size_t r
     return o;
 }
 
-double nmse(const std::vector<float>& got, const std::vector<double>& want) {
-    double num = 0.0, den = 0.0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-        const double d = got[i] - want[i];
-        num += d * d;
-        den += want[i] * want[i];
-    }
-    return den > 0.0 ? num / den : num;
-}
 
 template <class Cache>
 std::vector<float> run(const Cache& cache, std::uint32_t layer, const rows& r, const ops::attention_params& p,
@@ -248,10 +240,6 @@ void check_multi(const multi_cfg& c, std::uint32_t group, std::uint32_t chunk, o
     }
 }
 
-template <class Element, class Layout>
-struct combo {
-    using cache = kvcache::kv_cache<Element, Layout>;
-};
 using row_major = kvcache::contiguous<kvcache::v_layout::row_major>;
 using transposed = kvcache::contiguous<kvcache::v_layout::transposed>;
 using paged_rm = kvcache::paged<32, kvcache::v_layout::row_major>;
@@ -260,9 +248,9 @@ using paged_t = kvcache::paged<64, kvcache::v_layout::transposed>;
 }  // namespace
 
 TEST_CASE_TEMPLATE("attention multi-sequence and mixed calls match the oracle; rows are bit-identical alone", C,
-                   combo<kvcache::f32, row_major>, combo<kvcache::f16, row_major>, combo<kvcache::bf16, row_major>,
-                   combo<kvcache::f16, transposed>, combo<kvcache::f32, paged_rm>, combo<kvcache::f16, paged_rm>,
-                   combo<kvcache::bf16, paged_t>, combo<kvcache::f16, paged_t>) {
+                   layout_combo<kvcache::f32, row_major>, layout_combo<kvcache::f16, row_major>, layout_combo<kvcache::bf16, row_major>,
+                   layout_combo<kvcache::f16, transposed>, layout_combo<kvcache::f32, paged_rm>, layout_combo<kvcache::f16, paged_rm>,
+                   layout_combo<kvcache::bf16, paged_t>, layout_combo<kvcache::f16, paged_t>) {
     std::uint32_t seed = 2026112600u;
     // (group, prefill chunk, window, dk, dv): GQA 1/4/8, decode-only and mixed calls,
     // sliding windows, K and V heads of other sizes.
@@ -288,7 +276,7 @@ TEST_CASE_TEMPLATE("attention multi-sequence and mixed calls match the oracle; r
 }
 
 TEST_CASE_TEMPLATE("attention: long sequences cut into split-K parts stay bit-identical across threads and calls", C,
-                   combo<kvcache::f16, row_major>, combo<kvcache::f32, paged_rm>) {
+                   layout_combo<kvcache::f16, row_major>, layout_combo<kvcache::f32, paged_rm>) {
     // Sequence 0 holds ~9K cells (2 parts of >= 4096 cells in deterministic mode), its
     // fork 3K; a 16-row chunk of sequence 0 next to decode rows.
     multi_cfg c;

@@ -16,8 +16,11 @@
 #include <vector>
 
 #include "reference/attention_ref.hpp"
+#include "kernels/kernel_test_util.hpp"
 
 namespace {
+
+using kvtest::layout_combo;
 
 using kvcache::pos_t;
 using kvcache::seq_id_t;
@@ -170,18 +173,14 @@ void run_case(const setup& cfg, where w, float x, bool decode, int threads, std:
     }
 }
 
-template <class Element, class Layout>
-struct combo {
-    using cache = kvcache::kv_cache<Element, Layout>;
-};
 using cv = kvcache::contiguous<kvcache::v_layout::row_major>;
 using ct = kvcache::contiguous<kvcache::v_layout::transposed>;
 
 }  // namespace
 
 TEST_CASE_TEMPLATE("attention: NaN / inf in Q, K or V gives NaN in exactly the affected outputs", C,
-                   combo<kvcache::f32, cv>, combo<kvcache::f16, cv>, combo<kvcache::bf16, cv>, combo<kvcache::f16, ct>,
-                   combo<kvcache::f32, ct>, combo<kvcache::f16, kvcache::paged<32>>) {
+                   layout_combo<kvcache::f32, cv>, layout_combo<kvcache::f16, cv>, layout_combo<kvcache::bf16, cv>, layout_combo<kvcache::f16, ct>,
+                   layout_combo<kvcache::f32, ct>, layout_combo<kvcache::f16, kvcache::paged<32>>) {
     std::uint32_t seed = 100;
     for (bool decode : {false, true})
         for (where w : {where::q, where::k, where::v})
@@ -200,8 +199,8 @@ TEST_CASE_TEMPLATE("attention: NaN / inf in Q, K or V gives NaN in exactly the a
             }
 }
 
-TEST_CASE_TEMPLATE("attention: a NaN reaches the output through the split-K merge", C, combo<kvcache::f32, cv>,
-                   combo<kvcache::f16, cv>, combo<kvcache::f16, kvcache::paged<64>>) {
+TEST_CASE_TEMPLATE("attention: a NaN reaches the output through the split-K merge", C, layout_combo<kvcache::f32, cv>,
+                   layout_combo<kvcache::f16, cv>, layout_combo<kvcache::f16, kvcache::paged<64>>) {
     // 9000 cells on 3 threads: decode splits the KV range into parts merged by log-sum-exp.
     setup a;
     a.n_head_kv = 1;

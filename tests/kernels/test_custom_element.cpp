@@ -19,8 +19,12 @@
 #include "reference/rope_ref.hpp"
 #include "support/rope_fill.hpp"
 #include "support/result_check.hpp"
+#include "kernels/kernel_test_util.hpp"
 
 namespace {
+
+using kvtest::all_bytes;
+using kvtest::nmse;
 
 using kvcache::pos_t;
 using kvcache::seq_id_t;
@@ -52,15 +56,6 @@ static_assert(!kvcache::detail::has_simd_storage<fx>);
 static_assert(kvcache::detail::has_simd_storage<kvcache::f16>);
 
 // Relative mean squared error against a float64 result.
-double nmse(const std::vector<float>& got, const std::vector<double>& want) {
-    double num = 0.0, den = 0.0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-        const double d = got[i] - want[i];
-        num += d * d;
-        den += want[i] * want[i];
-    }
-    return den > 0.0 ? num / den : num;
-}
 
 struct fill_cfg {
     std::uint32_t n_seq = 3;      // sequences 0 .. n_seq - 1 get tokens
@@ -293,16 +288,6 @@ double kshift_error(const Cache& cache, const std::vector<std::vector<double>>& 
     return num / den;
 }
 
-template <class Cache>
-std::vector<typename Cache::storage_type> all_bytes(const Cache& cache, bool v_side) {
-    std::vector<typename Cache::storage_type> out, one;
-    for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l)
-        for (std::uint32_t c = 0; c < cache.capacity(); ++c) {
-            cache.storage().cell_bytes(l, c, v_side, one);
-            out.insert(out.end(), one.begin(), one.end());
-        }
-    return out;
-}
 
 template <class Layout>
 void kshift_suite(std::uint32_t n_cells) {

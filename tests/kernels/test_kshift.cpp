@@ -13,21 +13,15 @@
 #include "reference/rope_ref.hpp"
 #include "support/rope_fill.hpp"
 #include "support/result_check.hpp"
+#include "kernels/kernel_test_util.hpp"
 
 namespace {
 
+using kvtest::all_bytes;
+using kvtest::rel_l1;
+
 using kvcache::pos_t;
 using kvcache::seq_id_t;
-
-// Relative L1 error: sum |got - want| / sum |want|.
-double rel_l1(const std::vector<float>& got, const std::vector<double>& want) {
-    double num = 0.0, den = 0.0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-        num += std::abs(got[i] - want[i]);
-        den += std::abs(want[i]);
-    }
-    return num / den;
-}
 
 struct rope_case {
     kvcache::rope_params rope;
@@ -83,17 +77,6 @@ double error_vs_ref(const Cache& cache, const std::vector<std::vector<double>>& 
 template <class E>
 constexpr double kshift_tol() {
     return std::is_same_v<E, kvcache::f32> ? 1e-6 : std::is_same_v<E, kvcache::f16> ? 5e-4 : 4e-3;
-}
-
-template <class Cache>
-std::vector<typename Cache::storage_type> all_bytes(const Cache& cache, bool v_side) {
-    std::vector<typename Cache::storage_type> out, one;
-    for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l)
-        for (std::uint32_t c = 0; c < cache.storage().n_cells_padded() && c < cache.capacity(); ++c) {
-            cache.storage().cell_bytes(l, c, v_side, one);
-            out.insert(out.end(), one.begin(), one.end());
-        }
-    return out;
 }
 
 }  // namespace

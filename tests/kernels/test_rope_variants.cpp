@@ -19,8 +19,11 @@
 #include "reference/rope_variants_ref.hpp"
 #include "support/cache_snapshot.hpp"
 #include "support/result_check.hpp"
+#include "kernels/kernel_test_util.hpp"
 
 namespace {
+
+using kvtest::rel_l1;
 
 using kvcache::pos_t;
 using kvcache::rope_params;
@@ -30,14 +33,6 @@ using kvcache::seq_id_t;
 
 constexpr pos_t pos_max = std::numeric_limits<pos_t>::max();
 
-double rel_l1(const std::vector<float>& got, const std::vector<double>& want) {
-    double num = 0.0, den = 0.0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-        num += std::abs(got[i] - want[i]);
-        den += std::abs(want[i]);
-    }
-    return num / den;
-}
 
 kvcache::rope_factors random_factors(std::size_t n, std::mt19937& rng, float lo, float hi) {
     std::uniform_real_distribution<float> u(lo, hi);

@@ -22,17 +22,17 @@
 namespace {
 
 using namespace kvcache;
-constexpr std::uint32_t W = 24;
-using ring_cache = kv_cache<f32, ring<W>>;
+constexpr std::uint32_t ring_w = 24;
+using ring_cache = kv_cache<f32, ring<ring_w>>;
 
 }  // namespace
 
 TEST_CASE("ring: configuration errors name the parameter") {
-    CHECK_THROWS_WITH_AS(ring_cache(kvtest::layout_shape(2 * W, 2)), doctest::Contains("model_shape.n_cells = 48"),
+    CHECK_THROWS_WITH_AS(ring_cache(kvtest::layout_shape(2 * ring_w, 2)), doctest::Contains("model_shape.n_cells = 48"),
                          kvcache::error);
-    CHECK(ring<W>::cells_for(2, 8) == 2 * (W + 8));
-    ring_cache ok(kvtest::layout_shape(ring<W>::cells_for(2, 8), 2));
-    CHECK(ok.storage().region() == W + 8);
+    CHECK(ring<ring_w>::cells_for(2, 8) == 2 * (ring_w + 8));
+    ring_cache ok(kvtest::layout_shape(ring<ring_w>::cells_for(2, 8), 2));
+    CHECK(ok.storage().region() == ring_w + 8);
     CHECK_THROWS_AS(static_cast<void>(ok.storage().pruned_below(2)), kvcache::error);
 }
 
@@ -40,7 +40,7 @@ TEST_CASE("ring: generation far past the window keeps memory constant and attent
     const std::uint32_t seed = 21;
     std::printf("ring generation test seed %u\n", seed);
     std::mt19937 rng(seed);
-    const auto shape = kvtest::layout_shape(ring<W>::cells_for(2, 16), 2, 2, 2, 16);
+    const auto shape = kvtest::layout_shape(ring<ring_w>::cells_for(2, 16), 2, 2, 2, 16);
     ring_cache cache(shape);
     kvtest::layout_model model(2);  // pruned like the ring
     kvtest::layout_model full(2);   // full history, never pruned
@@ -59,15 +59,15 @@ TEST_CASE("ring: generation far past the window keeps memory constant and attent
         cache.commit();
         model.commit();
         full.commit();
-        model.prune(W);
+        model.prune(ring_w);
         REQUIRE(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
-        CHECK(cache.used() <= 2 * W);
+        CHECK(cache.used() <= 2 * ring_w);
         CHECK(cache.total_bytes() == bytes);
-        // every sequence keeps exactly its last min(W, length) positions
+        // every sequence keeps exactly its last min(ring_w, length) positions
         for (seq_id_t t = 0; t < 2; ++t)
             if (next[t] > 0) {
                 CHECK(cache.seq_pos_max(t) == next[t] - 1);
-                CHECK(cache.seq_pos_min(t) == std::max<pos_t>(0, next[t] - static_cast<pos_t>(W)));
+                CHECK(cache.seq_pos_min(t) == std::max<pos_t>(0, next[t] - static_cast<pos_t>(ring_w)));
             }
         // decode-style query at the last position: ring attention == float64 reference over
         // the full history restricted to the window
@@ -78,33 +78,33 @@ TEST_CASE("ring: generation far past the window keeps memory constant and attent
         const pos_t qp = next[s] - 1;
         for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
           for (ops::kernel_path path : {ops::kernel_path::scalar, ops::kernel_path::simd}) {
-            const auto out = kvtest::decode_attention(cache, layer, q, qp, s, n_head, static_cast<std::int32_t>(W),
+            const auto out = kvtest::decode_attention(cache, layer, q, qp, s, n_head, static_cast<std::int32_t>(ring_w),
                                                       path, ws);
             for (std::uint32_t g = 0; g < n_head; ++g) {
                 const auto ref = kvtest::attention_ref(full.seqs[static_cast<std::size_t>(s)], layer,
                                                        g / (n_head / shape.n_head_kv), dk, dv,
-                                                       q.data() + g * dk, qp, static_cast<std::int32_t>(W));
+                                                       q.data() + g * dk, qp, static_cast<std::int32_t>(ring_w));
                 for (std::uint32_t d = 0; d < dv; ++d) REQUIRE(std::abs(out[g * dv + d] - ref[d]) < 1e-4);
             }
           }
             ++checked;
         }
     }
-    CHECK(next[0] > static_cast<pos_t>(10 * W));
+    CHECK(next[0] > static_cast<pos_t>(10 * ring_w));
     CHECK(checked == 240);
 }
 
 TEST_CASE("ring: refuses what needs pruned positions, allows what does not, changes nothing when refusing") {
     std::mt19937 rng(22);
-    ring_cache cache(kvtest::layout_shape(ring<W>::cells_for(2, 8), 2));
+    ring_cache cache(kvtest::layout_shape(ring<ring_w>::cells_for(2, 8), 2));
     kvtest::layout_model model(2);
     for (pos_t p = 0; p < 100; p += 4) {
         REQUIRE(kvtest::append(cache, model, 0, p, 4, rng));
         cache.commit();
     }
     model.commit();
-    model.prune(W);
-    CHECK(cache.storage().pruned_below(0) == 100 - static_cast<pos_t>(W));
+    model.prune(ring_w);
+    CHECK(cache.storage().pruned_below(0) == 100 - static_cast<pos_t>(ring_w));
     const auto before = kvtest::observe(cache);
     auto unchanged = [&] { CHECK(kvtest::diff(kvtest::observe(cache), before) == ""); };
 
@@ -159,7 +159,7 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
     REQUIRE(kvtest::append(cache, model, 0, 0, 5, rng));
     cache.commit();  // also prunes sequence 1 below 102 - 24 + 1 = 79
     model.commit();
-    model.prune(W);
+    model.prune(ring_w);
     REQUIRE(cache.seq_rm(0, 2, 3));
     model.seq_rm(0, 2, 3);
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
@@ -167,7 +167,7 @@ TEST_CASE("ring: refuses what needs pruned positions, allows what does not, chan
 
 TEST_CASE("ring: a batch that finds its region full is refused with no_space; out-of-order positions fit") {
     std::mt19937 rng(23);
-    ring_cache cache(kvtest::layout_shape(ring<W>::cells_for(2, 8), 2));  // regions of W + 8 = 32
+    ring_cache cache(kvtest::layout_shape(ring<ring_w>::cells_for(2, 8), 2));  // regions of ring_w + 8 = 32
     kvtest::layout_model model(2);
     REQUIRE(kvtest::append(cache, model, 0, 0, 20, rng));
     cache.commit();
@@ -188,7 +188,7 @@ TEST_CASE("ring: a batch that finds its region full is refused with no_space; ou
     REQUIRE(kvtest::append(cache, model, 0, 32, 2, rng));
     cache.commit();
     model.commit();
-    model.prune(W);
+    model.prune(ring_w);
     CHECK(kvtest::diff(kvtest::observe(cache), model.seqs) == "");
-    CHECK(cache.seq_pos_min(0) == std::max<pos_t>(12, 33 - static_cast<pos_t>(W) + 1));
+    CHECK(cache.seq_pos_min(0) == std::max<pos_t>(12, 33 - static_cast<pos_t>(ring_w) + 1));
 }

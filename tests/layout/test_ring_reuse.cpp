@@ -36,8 +36,8 @@
 namespace {
 
 using namespace kvcache;
-constexpr std::uint32_t W = 16;
-using ring_cache = kv_cache<f32, ring<W>>;
+constexpr std::uint32_t reuse_w = 16;
+using reuse_ring_cache = kv_cache<f32, ring<reuse_w>>;
 using flat_cache = kv_cache<f32>;
 
 model_shape roped_shape(std::uint32_t n_cells) {
@@ -48,7 +48,7 @@ model_shape roped_shape(std::uint32_t n_cells) {
 
 /// A ring and a contiguous cache holding the same tokens, and the reference.
 struct twins {
-    ring_cache swa{roped_shape(ring<W>::cells_for(2, 8))};
+    reuse_ring_cache swa{roped_shape(ring<reuse_w>::cells_for(2, 8))};
     flat_cache flat{roped_shape(256)};
     std::vector<kvtest::roped_seq> ref = std::vector<kvtest::roped_seq>(2);
 
@@ -74,21 +74,21 @@ struct twins {
             if (p >= w) want[p] = n;
         CHECK(swa.cells().seq_positions(0) == want);
         CHECK(swa.seq_pos_max(0) == flat.seq_pos_max(0));
-        CHECK((w == 0 || std::int64_t{flat.seq_pos_max(0)} + 2 - W >= w));
+        CHECK((w == 0 || std::int64_t{flat.seq_pos_max(0)} + 2 - reuse_w >= w));
         CHECK(swa.storage().check_invariants(swa.cells()) == "");
         ops::apply_k_shift(swa);
         ops::apply_k_shift(flat);
         for (pos_t qp : {n_past - 1, n_past}) {  // the last token's own window may need pruned positions
             if (qp < 0 || (qp < n_past && w > 0)) continue;
             CAPTURE(qp);
-            kvtest::check_roped_attention(swa, ref[0], 0, qp, rng, W);
-            kvtest::check_roped_attention(flat, ref[0], 0, qp, rng, W);
+            kvtest::check_roped_attention(swa, ref[0], 0, qp, rng, reuse_w);
+            kvtest::check_roped_attention(flat, ref[0], 0, qp, rng, reuse_w);
         }
-        for (pos_t p = n_past; p < n_past + static_cast<pos_t>(W) + 5; p += 3) {
+        for (pos_t p = n_past; p < n_past + static_cast<pos_t>(reuse_w) + 5; p += 3) {
             REQUIRE(kvtest::put_roped(swa, ref, 0, p, 3, rng, flat));
-            kvtest::check_roped_attention(swa, ref[0], 0, p + 2, rng, W);
+            kvtest::check_roped_attention(swa, ref[0], 0, p + 2, rng, reuse_w);
         }
-        kvtest::check_roped_attention(flat, ref[0], 0, swa.seq_pos_max(0), rng, W);
+        kvtest::check_roped_attention(flat, ref[0], 0, swa.seq_pos_max(0), rng, reuse_w);
     }
 };
 
@@ -115,7 +115,7 @@ reuse::plan make(std::uint32_t n_lcp, std::vector<reuse::chunk_move> moves, std:
 /// Checks that op() throws `code` with a message containing every needle and changes
 /// nothing in the ring (bytes, cells, pruning point).
 template <class Op>
-void refused(ring_cache& c, Op op, std::vector<const char*> needles, errc code = errc::unsupported) {
+void refused(reuse_ring_cache& c, Op op, std::vector<const char*> needles, errc code = errc::unsupported) {
     const auto before = kvtest::snapshot(c);
     const pos_t w = c.storage().pruned_below(0);
     const kvtest::refusal r = kvtest::run_refusal(op);  // arguments throw; pruned positions are a result
@@ -136,7 +136,7 @@ TEST_CASE("ring reuse: chunk reuse before anything is pruned equals a contiguous
     std::mt19937 rng(seed);
     for (const auto& p : {make(4, {{7, 4, 7}}, 11), make(2, {{4, 2, 3}, {9, 5, 4}}, 9), make(0, {{3, 0, 8}}, 8)}) {
         twins t;
-        t.fill(0, 14, rng);  // 14 < W: nothing pruned
+        t.fill(0, 14, rng);  // 14 < reuse_w: nothing pruned
         REQUIRE(t.swa.storage().pruned_below(0) == 0);
         REQUIRE(reuse::apply_plan(t.swa, 0, p));
         REQUIRE(reuse::apply_plan(t.flat, 0, p));

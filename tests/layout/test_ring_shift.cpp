@@ -32,30 +32,30 @@
 namespace {
 
 using namespace kvcache;
-constexpr std::uint32_t W = 24;
-using ring_cache = kv_cache<f32, ring<W>>;
+constexpr std::uint32_t shift_w = 24;
+using shift_ring_cache = kv_cache<f32, ring<shift_w>>;
 
 model_shape roped_shape(std::uint32_t n_seq, std::uint32_t max_ubatch) {
-    model_shape s = kvtest::layout_shape(ring<W>::cells_for(n_seq, max_ubatch), n_seq, 2, 2, 16);
+    model_shape s = kvtest::layout_shape(ring<shift_w>::cells_for(n_seq, max_ubatch), n_seq, 2, 2, 16);
     s.rope = {rope_type::neox, 10000.0f, 1.0f, 0};
     return s;
 }
 
 using ref_seq = kvtest::roped_seq;
 
-bool put(ring_cache& c, std::vector<ref_seq>& ref, seq_id_t s, pos_t p0, std::uint32_t n, std::mt19937& rng) {
+bool put(shift_ring_cache& c, std::vector<ref_seq>& ref, seq_id_t s, pos_t p0, std::uint32_t n, std::mt19937& rng) {
     return kvtest::put_roped(c, ref, s, p0, n, rng);
 }
 template <class F>
 void move(ref_seq& m, pos_t p0, pos_t p1, F f) {
     kvtest::ref_move(m, p0, p1, f);
 }
-void check_attention(const ring_cache& c, const ref_seq& ref, seq_id_t s, pos_t qp, std::mt19937& rng) {
-    kvtest::check_roped_attention(c, ref, s, qp, rng, W);
+void check_attention(const shift_ring_cache& c, const ref_seq& ref, seq_id_t s, pos_t qp, std::mt19937& rng) {
+    kvtest::check_roped_attention(c, ref, s, qp, rng, shift_w);
 }
 
 /// Cells of sequence s, and how many of them lie in region r.
-std::uint32_t cells_in_region(const ring_cache& c, seq_id_t s, std::uint32_t r) {
+std::uint32_t cells_in_region(const shift_ring_cache& c, seq_id_t s, std::uint32_t r) {
     std::uint32_t n = 0;
     const std::uint32_t R = c.storage().region();
     for (std::uint32_t cell : c.cells().used_cells())
@@ -70,9 +70,9 @@ TEST_CASE("ring: context shift and seq_add before anything is pruned, K-shift on
         const std::uint32_t seed = kpath == ops::kernel_path::scalar ? 51 : 52;
         std::printf("ring context shift test seed %u\n", seed);
         std::mt19937 rng(seed);
-        ring_cache cache(roped_shape(2, 16));
+        shift_ring_cache cache(roped_shape(2, 16));
         std::vector<ref_seq> ref(2);
-        REQUIRE(put(cache, ref, 0, 0, 20, rng));  // 20 < W: nothing pruned
+        REQUIRE(put(cache, ref, 0, 0, 20, rng));  // 20 < shift_w: nothing pruned
         CHECK(cache.storage().pruned_below(0) == 0);
         // F13: keep 4, discard 8: [4, 12) removed, [12, 20) moved to [4, 12)
         const auto r = ops::context_shift(cache, 0, 4, 8).value();
@@ -92,7 +92,7 @@ TEST_CASE("ring: context shift and seq_add before anything is pruned, K-shift on
             next += static_cast<pos_t>(n);
             check_attention(cache, ref[0], 0, next - 1, rng);
         }
-        CHECK(cache.storage().pruned_below(0) == next - static_cast<pos_t>(W));
+        CHECK(cache.storage().pruned_below(0) == next - static_cast<pos_t>(shift_w));
         // moves the rules allow on a pruned sequence: up, and lowering the end by one
         REQUIRE(cache.seq_add(0, next - 5, -1, 7));
         move(ref[0], next - 5, -1, [](pos_t p) { return std::int64_t{p} + 7; });
@@ -108,7 +108,7 @@ TEST_CASE("ring: context shift and seq_add before anything is pruned, K-shift on
 
 TEST_CASE("ring: what needs pruned positions is refused and the cache stays bit-identical") {
     std::mt19937 rng(53);
-    ring_cache cache(roped_shape(2, 16));
+    shift_ring_cache cache(roped_shape(2, 16));
     std::vector<ref_seq> ref(2);
     for (pos_t p = 0; p < 40; p += 8) REQUIRE(put(cache, ref, 0, p, 8, rng));
     REQUIRE(cache.storage().pruned_below(0) == 16);  // 39 - 24 + 1
@@ -141,7 +141,7 @@ TEST_CASE("ring: a fork idles while its source generates 10 x Window tokens (no 
     const std::uint32_t seed = 54;
     std::printf("ring fork test seed %u\n", seed);
     std::mt19937 rng(seed);
-    ring_cache cache(roped_shape(2, 4));  // regions of W + 4: no room for a second window
+    shift_ring_cache cache(roped_shape(2, 4));  // regions of shift_w + 4: no room for a second window
     const std::uint32_t R = cache.storage().region();
     std::vector<ref_seq> ref(2);
     for (pos_t p = 0; p < 32; p += 4) REQUIRE(put(cache, ref, 0, p, 4, rng));
@@ -150,22 +150,22 @@ TEST_CASE("ring: a fork idles while its source generates 10 x Window tokens (no 
     CHECK(cache.storage().pruned_below(1) == cache.storage().pruned_below(0));
     const std::size_t bytes = cache.total_bytes();
     pos_t next = 32;
-    for (std::uint32_t step = 0; step < 10 * W; ++step) {
+    for (std::uint32_t step = 0; step < 10 * shift_w; ++step) {
         CAPTURE(step);
         REQUIRE(put(cache, ref, 0, next, 1, rng));
         ++next;
         CHECK(cache.total_bytes() == bytes);
-        CHECK(cache.used() == std::min(2 * W, W + 1 + step));  // shared cells count once
+        CHECK(cache.used() == std::min(2 * shift_w, shift_w + 1 + step));  // shared cells count once
         CHECK(cache.storage().foreign_cells(0) == 0);
         CHECK(ops::memory(cache).held_bytes == std::size_t{2} * R * cache.bytes_per_token());
-        if (step % 16 == 0 || step + 1 == 10 * W) {
+        if (step % 16 == 0 || step + 1 == 10 * shift_w) {
             check_attention(cache, ref[0], 0, next - 1, rng);
             check_attention(cache, ref[1], 1, 31, rng);
             check_attention(cache, ref[1], 1, 32, rng);  // the fork's next token
         }
     }
-    CHECK(cells_in_region(cache, 1, 1) == W);  // the fork now lives in its own region
-    CHECK(cells_in_region(cache, 0, 0) == W);
+    CHECK(cells_in_region(cache, 1, 1) == shift_w);  // the fork now lives in its own region
+    CHECK(cells_in_region(cache, 0, 0) == shift_w);
     CHECK(cache.storage().check_invariants(cache.cells()) == "");
     // the fork generates too
     for (pos_t p = 32; p < 40; ++p) REQUIRE(put(cache, ref, 1, p, 1, rng));
@@ -174,22 +174,22 @@ TEST_CASE("ring: a fork idles while its source generates 10 x Window tokens (no 
     // the source goes away: its region is free for a new sequence 0
     REQUIRE(cache.seq_rm(0, -1, -1));
     ref[0].clear();
-    for (pos_t p = 0; p < 3 * static_cast<pos_t>(W); p += 4) REQUIRE(put(cache, ref, 0, p, 4, rng));
-    check_attention(cache, ref[0], 0, 3 * static_cast<pos_t>(W) - 1, rng);
+    for (pos_t p = 0; p < 3 * static_cast<pos_t>(shift_w); p += 4) REQUIRE(put(cache, ref, 0, p, 4, rng));
+    check_attention(cache, ref[0], 0, 3 * static_cast<pos_t>(shift_w) - 1, rng);
 }
 
 TEST_CASE("ring: a fork whose source is removed leaves foreign cells that the next commit moves home") {
     std::mt19937 rng(55);
-    ring_cache cache(roped_shape(2, 4));
+    shift_ring_cache cache(roped_shape(2, 4));
     std::vector<ref_seq> ref(2);
     for (pos_t p = 0; p < 30; p += 3) REQUIRE(put(cache, ref, 0, p, 3, rng));
     REQUIRE(cache.seq_cp(0, 1, -1, -1));
     ref[1] = ref[0];
-    REQUIRE(cache.seq_rm(0, -1, -1));  // all W cells of region 0 now belong to sequence 1 only
+    REQUIRE(cache.seq_rm(0, -1, -1));  // all shift_w cells of region 0 now belong to sequence 1 only
     ref[0].clear();
-    CHECK(cache.storage().foreign_cells(0) == W);
+    CHECK(cache.storage().foreign_cells(0) == shift_w);
     CHECK(cache.storage().pruned_below(0) == 0);
-    CHECK(cache.storage().pruned_below(1) == 30 - static_cast<pos_t>(W));
+    CHECK(cache.storage().pruned_below(1) == 30 - static_cast<pos_t>(shift_w));
     std::vector<pos_t> pos(5, 0);
     for (pos_t i = 0; i < 5; ++i) pos[static_cast<std::size_t>(i)] = i;
     auto r = cache.place(pos, std::vector<seq_id_t>(5, 0));  // 4 free cells in region 0
@@ -198,7 +198,7 @@ TEST_CASE("ring: a fork whose source is removed leaves foreign cells that the ne
     CHECK(r.message().find("belong to other sequences only") != std::string::npos);
     REQUIRE(put(cache, ref, 0, 0, 4, rng));  // fits, and its commit moves the fork's cells
     CHECK(cache.storage().foreign_cells(0) == 0);
-    CHECK(cells_in_region(cache, 1, 1) == W);
+    CHECK(cells_in_region(cache, 1, 1) == shift_w);
     for (pos_t p = 4; p < 40; p += 4) REQUIRE(put(cache, ref, 0, p, 4, rng));
     check_attention(cache, ref[0], 0, 39, rng);
     check_attention(cache, ref[1], 1, 30, rng);
@@ -207,7 +207,7 @@ TEST_CASE("ring: a fork whose source is removed leaves foreign cells that the ne
 
 TEST_CASE("ring: seq_add on shared cells splits them (copies in the mover's region), K-shift per sequence") {
     std::mt19937 rng(56);
-    ring_cache cache(roped_shape(2, 16));
+    shift_ring_cache cache(roped_shape(2, 16));
     std::vector<ref_seq> ref(2);
     REQUIRE(put(cache, ref, 0, 0, 12, rng));
     REQUIRE(cache.seq_cp(0, 1, -1, -1));
@@ -232,7 +232,7 @@ TEST_CASE("ring: seq_add on shared cells splits them (copies in the mover's regi
 
 TEST_CASE("ring: seq_cp below the source's pruning point is refused where the copy would miss data") {
     std::mt19937 rng(57);
-    kv_cache<f32, ring<W>> cache(roped_shape(3, 8));
+    kv_cache<f32, ring<shift_w>> cache(roped_shape(3, 8));
     std::vector<ref_seq> ref(3);
     for (pos_t p = 0; p < 40; p += 8) REQUIRE(put(cache, ref, 0, p, 8, rng));
     REQUIRE(cache.storage().pruned_below(0) == 16);

@@ -31,16 +31,12 @@ namespace reuse = kvcache::reuse;
 
 namespace {
 
-prompt_tokens cat(const prompt_tokens& a, const prompt_tokens& b) {
-    prompt_tokens out = a;
-    out.append(b.tokens());
-    return out;
-}
+using toy::cat;
 
 /// One request as a host engine runs it; returns the prepared request. `reused` gets the
 /// cells the sequence held right after prepare (what the host did not recompute).
 template <class Slots, class Cache>
-kvcache::prepared_request run(Slots& slots, Cache& cache, const prompt_tokens& req, request_options ro = {},
+kvcache::prepared_request run_request(Slots& slots, Cache& cache, const prompt_tokens& req, request_options ro = {},
                               bool context_free = false, std::uint64_t* reused = nullptr) {
     auto p = slots.prepare(req, ro).value();
     REQUIRE(p.metrics.hit_tokens() + p.metrics.computed == req.size());
@@ -132,11 +128,11 @@ TEST_CASE("entries: a host seq_rm(-1, ...) under shared_store entries and a slot
     plain_t cache(toy::shape(1024, 8));
     kvcache::slot_manager<plain_t, shared_t> slots(cache, {.n_slots = 2}, shared_t(4, 4));
     const prompt_tokens a = toy::text(60, 1000), b = toy::text(40, 5000);
-    run(slots, cache, a, {.slot_id = 0});
-    run(slots, cache, b, {.slot_id = 0});
+    run_request(slots, cache, a, {.slot_id = 0});
+    run_request(slots, cache, b, {.slot_id = 0});
     REQUIRE(slots.global_cache().size() == 2);
     REQUIRE(cache.seq_rm(-1, 0, 10));  // the host wipes positions [0, 10) of every sequence
-    const auto r = run(slots, cache, cat(a, toy::text(5, 77)), {.slot_id = 1});
+    const auto r = run_request(slots, cache, cat(a, toy::text(5, 77)), {.slot_id = 1});
     CHECK(r.n_past == 0);
     CHECK(r.metrics.from_global == 0);
     CHECK(r.metrics.miss == miss_reason::invalidated);
@@ -152,10 +148,10 @@ TEST_CASE("entries: a host seq_keep wipes every slot and entry: everything is re
     plain_t cache(toy::shape(1024, 8));
     kvcache::slot_manager<plain_t, shared_t> slots(cache, {.n_slots = 2}, shared_t(4, 3));
     const prompt_tokens a = toy::text(50, 1000);
-    run(slots, cache, a, {.slot_id = 0});
+    run_request(slots, cache, a, {.slot_id = 0});
     toy::fill(cache, 7, toy::text(3, 9), 0, 3);
     cache.seq_keep(7);
-    const auto r = run(slots, cache, a);
+    const auto r = run_request(slots, cache, a);
     CHECK(r.metrics.computed == a.size());
     CHECK(slots.metrics().invalidated == 1);
     CHECK(slots.metrics().slot_states_invalidated == 1);
@@ -166,14 +162,14 @@ TEST_CASE("entries: a slot state whose cells the host removed is dropped (reuse:
     cache_t cache(toy::shape(512, 2));
     kvcache::slot_manager<cache_t> slots(cache, {.n_slots = 1});
     const prompt_tokens a = toy::text(40);
-    run(slots, cache, a);
+    run_request(slots, cache, a);
     REQUIRE(cache.seq_rm(0, 5, 10));  // a hole in the idle slot's sequence
-    const auto r = run(slots, cache, a);
+    const auto r = run_request(slots, cache, a);
     CHECK(r.n_past == 0);
     CHECK(r.metrics.miss == miss_reason::invalidated);
     CHECK(slots.metrics().slot_states_invalidated == 1);
     // untouched, the next repeat is reused again
-    CHECK(run(slots, cache, a).metrics.from_slot == a.size() - 1);
+    CHECK(run_request(slots, cache, a).metrics.from_slot == a.size() - 1);
 }
 
 TEST_CASE("entries: release of a slot whose sequence the host changed while busy does not save it") {
@@ -260,8 +256,8 @@ TEST_CASE("entries: a failed global load keeps the slot's own state, reuses it a
     const prompt_tokens common = toy::text(20, 1000);
     const prompt_tokens a = cat(common, toy::text(280, 3000));  // the entry: 300 tokens (+1 generated)
     const prompt_tokens c = cat(common, toy::text(10, 8000));   // slot 1's state shares 20 tokens
-    run(slots, cache, a, {.slot_id = 0});
-    run(slots, cache, c, {.slot_id = 1});
+    run_request(slots, cache, a, {.slot_id = 0});
+    run_request(slots, cache, c, {.slot_id = 1});
     REQUIRE(slots.global_cache().size() == 2);
     slots.clear_slot(0);
     // the host fills the cache so that the entry (301 cells) cannot be loaded
@@ -294,7 +290,7 @@ TEST_CASE("entries: paged + shared_store never wedges: eviction counts blocks") 
     std::mt19937 rng(25);
     for (int k = 0; k < 30; ++k) {  // distinct prompts: every entry keeps its blocks
         const auto n = 33 + rng() % 40;
-        const auto r = run(slots, cache, toy::text(n, static_cast<token_t>(1000 + 100 * k)), {.slot_id = 0});
+        const auto r = run_request(slots, cache, toy::text(n, static_cast<token_t>(1000 + 100 * k)), {.slot_id = 0});
         CHECK(r.metrics.computed == n);
     }
     CHECK(slots.metrics().evictions > 0);
@@ -335,8 +331,8 @@ TEST_CASE("metrics: miss reasons salt, evicted, media") {
         cache_t cache(toy::shape(512, 2));
         kvcache::slot_manager<cache_t> slots(cache, {.n_slots = 2});
         const prompt_tokens a = toy::text(40);
-        run(slots, cache, a, {.salt = 1});
-        const auto r = run(slots, cache, a, {.salt = 2});
+        run_request(slots, cache, a, {.salt = 1});
+        const auto r = run_request(slots, cache, a, {.salt = 2});
         CHECK(r.n_past == 0);
         CHECK(r.metrics.miss == miss_reason::salt);
         CHECK(slots.metrics().misses_for(miss_reason::salt) == 1);
@@ -345,10 +341,10 @@ TEST_CASE("metrics: miss reasons salt, evicted, media") {
         plain_t cache(toy::shape(512, 2));
         kvcache::slot_manager<plain_t> slots(cache, {.n_slots = 1, .cache_limits = {0, 50}});
         const prompt_tokens a = toy::text(40, 1000), b = toy::text(40, 5000);
-        run(slots, cache, a);
-        run(slots, cache, b);  // a's entry is evicted by the token limit
+        run_request(slots, cache, a);
+        run_request(slots, cache, b);  // a's entry is evicted by the token limit
         CHECK(slots.metrics().evictions == 1);
-        const auto r = run(slots, cache, a);
+        const auto r = run_request(slots, cache, a);
         CHECK(r.n_past == 0);
         CHECK(r.metrics.miss == miss_reason::evicted);
         CHECK(slots.metrics().misses_for(miss_reason::evicted) == 1);
@@ -362,8 +358,8 @@ TEST_CASE("metrics: miss reasons salt, evicted, media") {
         b.push_media(2, 8);  // another image at the same place
         a.append(toy::text(5, 3000).tokens());
         b.append(toy::text(5, 3000).tokens());
-        run(slots, cache, a);
-        const auto r = run(slots, cache, b);
+        run_request(slots, cache, a);
+        const auto r = run_request(slots, cache, b);
         CHECK(r.n_past == 20);
         CHECK(r.metrics.miss == miss_reason::media);
     }
@@ -371,9 +367,9 @@ TEST_CASE("metrics: miss reasons salt, evicted, media") {
         using cache_t = kvcache::kv_cache<reuse::lcp>;
         cache_t cache(toy::shape(512, 2));
         kvcache::slot_manager<cache_t> slots(cache, {.n_slots = 1});
-        CHECK(run(slots, cache, toy::text(30)).metrics.miss == miss_reason::none);
-        CHECK(run(slots, cache, toy::text(30)).metrics.miss == miss_reason::none);
-        CHECK(run(slots, cache, toy::text(30, 7000)).metrics.miss == miss_reason::none);
+        CHECK(run_request(slots, cache, toy::text(30)).metrics.miss == miss_reason::none);
+        CHECK(run_request(slots, cache, toy::text(30)).metrics.miss == miss_reason::none);
+        CHECK(run_request(slots, cache, toy::text(30, 7000)).metrics.miss == miss_reason::none);
         const auto m = slots.metrics();
         for (std::size_t i = 0; i < kvcache::n_miss_reasons; ++i) CHECK(m.misses[i] == 0);
     }
@@ -397,7 +393,7 @@ TEST_CASE("metrics: hit_tokens equals the cells not recomputed over a random req
         }
         req.append(toy::text(1 + rng() % 12, static_cast<token_t>(30000 + rng() % 4)).tokens());
         queried += req.size();
-        run(slots, cache, req, {}, true, &reused);
+        run_request(slots, cache, req, {}, true, &reused);
     }
     const auto m = slots.metrics();
     CHECK(m.requests == static_cast<std::uint64_t>(n));

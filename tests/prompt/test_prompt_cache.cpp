@@ -34,11 +34,7 @@ struct fixture {
     }
 };
 
-prompt_tokens cat(const prompt_tokens& a, const prompt_tokens& b) {
-    prompt_tokens out = a;
-    out.append(b.tokens());
-    return out;
-}
+using toy::cat;
 
 }  // namespace
 

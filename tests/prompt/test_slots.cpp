@@ -21,11 +21,7 @@ namespace reuse = kvcache::reuse;
 
 namespace {
 
-prompt_tokens cat(const prompt_tokens& a, const prompt_tokens& b) {
-    prompt_tokens out = a;
-    out.append(b.tokens());
-    return out;
-}
+using toy::cat;
 
 /// One request as a host engine runs it: prepare, compute the rest, n_gen generated tokens, release.
 template <class Slots, class Cache>

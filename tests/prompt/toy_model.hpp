@@ -18,6 +18,13 @@
 
 namespace toy {
 
+/// a followed by b.
+inline kvcache::prompt_tokens cat(const kvcache::prompt_tokens& a, const kvcache::prompt_tokens& b) {
+    kvcache::prompt_tokens out = a;
+    out.append(b.tokens());
+    return out;
+}
+
 inline kvcache::model_shape shape(std::uint32_t n_cells, std::uint32_t n_seq = 8) {
     kvcache::model_shape s;
     s.n_layer = 2;
