@@ -1,7 +1,8 @@
 // kvcache ops: attention over the cache, prefill and decode, for every element policy.
 //
-// The public API (attention(), attention_params, attention_workspace) and the call's
-// setup. The rest lives in ops/detail/: what the kernels know of the cells
+// The public API (attention(), attention_plan for host-driven work items,
+// attention_params, attention_workspace, attention_scratch) and the call's setup
+// (attention_plan's constructor: segments, cascade classes, slots, items). The rest lives in ops/detail/: what the kernels know of the cells
 // (attention_cells.hpp), scheduling of work items and split-K (attention_schedule.hpp),
 // the end of an item and the split-K merge (attention_merge.hpp); the kernels themselves
 // in kernels/attention.hpp (SIMD) and kernels/attention_scalar.hpp (the oracle).
