@@ -5,8 +5,10 @@
 // (split-K), attn_decode_prefetch/<none|burst|interleaved>/<type>/n_kv:16384/threads:<t>,
 // attn_prefill/<type>/n_q:512/n_kv:512/threads:<t>, kshift/<type>/<rope>/n_cells:<cells>/threads:<t>,
 // attn_decode_multi/<type>/n_seq:16/n_kv:2048/<contiguous|paged>/threads:<t> and
-// attn_mixed/<type>/prefill:512/decode:15/<contiguous|paged>/threads:<t> (one call with many
-// sequences against one call per sequence, same run: counter vs_separate),
+// attn_mixed/<type>/prefill:512/decode:15/<contiguous|paged>/threads:<t> and
+// attn_decode_shared/<type>/n_seq:16/prefix:8192/own:256/<contiguous|paged>/threads:<t> (16
+// forks of one prefix, cascade attention) (one call with many sequences against one call
+// per sequence, same run: counter vs_separate),
 // kshift_rope/<type>/<rope>/<llama3|yarn>/n_cells:16384/threads:<t> (scaled RoPE, paired with
 // the plain K-shift in each iteration; counter vs_plain = scaled / plain seconds),
 // membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
@@ -384,16 +386,19 @@ void attn_prefill(benchmark::State& state, std::uint32_t n_q, int threads, kvcac
 
 // A cache (Layout) holding sequence s at positions [0, cells[s]) in one run of cells per
 // sequence (sequence 0 first), every layer's K and V random (a small pattern, copied).
+// prefix > 0: sequence 0's first `prefix` positions are written first and shared by every
+// sequence (seq_cp: a system prompt forked), whose own cells[s] follow at positions
+// [prefix, prefix + cells[s]).
 template <class E, class Layout>
 std::unique_ptr<kvcache::kv_cache<E, Layout>> make_multi_cache(const std::vector<std::uint32_t>& cells,
-                                                               std::uint32_t n_layer) {
+                                                               std::uint32_t n_layer, std::uint32_t prefix = 0) {
     kvcache::model_shape s;
     s.n_layer = n_layer;
     s.n_head_kv = n_head_kv_default;
     s.head_dim_k = head_dim;
     std::uint32_t total = 0;
     for (auto c : cells) total += (c + 255) / 256 * 256;
-    s.n_cells = total;
+    s.n_cells = total + (prefix + 255) / 256 * 256;
     s.n_seq_max = static_cast<std::uint32_t>(cells.size());
     auto cache = std::make_unique<kvcache::kv_cache<E, Layout>>(s);
     std::mt19937 rng(5);
@@ -401,9 +406,9 @@ std::unique_ptr<kvcache::kv_cache<E, Layout>> make_multi_cache(const std::vector
     constexpr std::uint32_t chunk = 256;
     std::vector<float> pat(std::size_t{chunk} * s.k_row_size() + 4096);
     for (auto& x : pat) x = nd(rng);
-    for (std::size_t sq = 0; sq < cells.size(); ++sq)
-        for (std::uint32_t p0 = 0; p0 < cells[sq]; p0 += chunk) {
-            const std::uint32_t n = std::min(chunk, cells[sq] - p0);
+    auto write = [&](std::size_t sq, std::uint32_t p0, std::uint32_t end) {
+        for (; p0 < end; p0 += chunk) {
+            const std::uint32_t n = std::min(chunk, end - p0);
             std::vector<pos_t> pos(n);
             std::iota(pos.begin(), pos.end(), static_cast<pos_t>(p0));
             std::vector<seq_id_t> seq(n, static_cast<seq_id_t>(sq));
@@ -415,6 +420,13 @@ std::unique_ptr<kvcache::kv_cache<E, Layout>> make_multi_cache(const std::vector
             }
             static_cast<void>(cache->commit());
         }
+    };
+    if (prefix > 0) {
+        write(0, 0, prefix);
+        for (std::size_t sq = 1; sq < cells.size(); ++sq)
+            if (!cache->seq_cp(0, static_cast<seq_id_t>(sq), 0, static_cast<pos_t>(prefix)).ok()) std::abort();
+    }
+    for (std::size_t sq = 0; sq < cells.size(); ++sq) write(sq, prefix, prefix + cells[sq]);
     return cache;
 }
 
@@ -423,14 +435,18 @@ std::unique_ptr<kvcache::kv_cache<E, Layout>> make_multi_cache(const std::vector
 // on the next layer (cold K/V). Counters: vs_separate = time of the separate calls /
 // time of the one call; GBps (K/V bytes the rows' sequences hold / time of the one
 // call); ms_multi, ms_separate. rows_of(s): the rows of sequence s (q positions).
+// prefix > 0: the sequences share a prefix (make_multi_cache); GBps then counts the
+// prefix once per sequence (what separate calls read), layers are sized by what is held.
 template <class E, class Layout>
 void attn_multi_vs_separate(benchmark::State& state, const std::vector<std::uint32_t>& cells,
-                            const std::vector<std::vector<pos_t>>& rows_of, int threads, double fmas) {
+                            const std::vector<std::vector<pos_t>>& rows_of, int threads, double fmas,
+                            std::uint32_t prefix = 0) {
     using T = typename E::storage_type;
-    std::size_t seq_bytes = 0;
-    for (auto c : cells) seq_bytes += std::size_t{c} * n_head_kv_default * head_dim * 2 * sizeof(T);
-    const std::uint32_t n_layer = cold_layers(seq_bytes);
-    const auto cache = make_multi_cache<E, Layout>(cells, n_layer);
+    std::size_t seq_bytes = 0, held = std::size_t{prefix} * n_head_kv_default * head_dim * 2 * sizeof(T);
+    for (auto c : cells) seq_bytes += std::size_t{c + prefix} * n_head_kv_default * head_dim * 2 * sizeof(T);
+    for (auto c : cells) held += std::size_t{c} * n_head_kv_default * head_dim * 2 * sizeof(T);
+    const std::uint32_t n_layer = cold_layers(held);
+    const auto cache = make_multi_cache<E, Layout>(cells, n_layer, prefix);
     std::vector<pos_t> qp;
     std::vector<seq_id_t> qs;
     std::vector<std::uint32_t> first;  // sequence s's rows: [first[s], first[s+1])
@@ -519,6 +535,18 @@ void attn_mixed(benchmark::State& state, std::uint32_t n_pre, std::uint32_t n_de
     attn_multi_vs_separate<E, Layout>(state, cells, rows, threads, pairs * n_head * 2.0 * head_dim);
 }
 
+// attn_decode_shared: n_seq forks of one prefix of `prefix` cells (seq_cp), each with
+// `own` cells of its own, one decode row each: the prefix is read once for all rows
+// (cascade). peak_frac counts every row's cells (prefix + own) x heads x (dk + dv) FMAs.
+template <class E, class Layout>
+void attn_decode_shared(benchmark::State& state, std::uint32_t n_seq, std::uint32_t prefix, std::uint32_t own,
+                        int threads) {
+    std::vector<std::uint32_t> cells(n_seq, own);
+    std::vector<std::vector<pos_t>> rows(n_seq, std::vector<pos_t>{static_cast<pos_t>(prefix + own)});
+    const double fmas = static_cast<double>(n_seq) * (prefix + own) * n_head * 2.0 * head_dim;
+    attn_multi_vs_separate<E, Layout>(state, cells, rows, threads, fmas, prefix);
+}
+
 template <class E>
 void register_multi() {
     const std::string t(E::name);
@@ -537,6 +565,12 @@ void register_multi() {
             ->UseRealTime()->Unit(benchmark::kMillisecond);
         benchmark::RegisterBenchmark(("attn_mixed/" + t + "/prefill:512/decode:15/paged" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_mixed<E, paged>(st, 512, 15, 2048, th); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark(("attn_decode_shared/" + t + "/n_seq:16/prefix:8192/own:256/contiguous" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_decode_shared<E, contiguous>(st, 16, 8192, 256, th); })
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark(("attn_decode_shared/" + t + "/n_seq:16/prefix:8192/own:256/paged" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_decode_shared<E, paged>(st, 16, 8192, 256, th); })
             ->UseRealTime()->Unit(benchmark::kMillisecond);
     }
 }

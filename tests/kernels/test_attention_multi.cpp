@@ -10,12 +10,14 @@
 #include <kvcache/layout/paged.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "reference/attention_ref.hpp"
@@ -175,25 +177,10 @@ std::vector<float> run(const Cache& cache, std::uint32_t layer, const rows& r, c
 
 bool same_bits(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
 
-// The whole check for one cache type and configuration: oracle, per-sequence and
-// per-row bit-identity, thread counts.
+// The checks of one call: oracle, per-sequence and per-row bit-identity, thread counts.
 template <class Cache>
-void check_multi(const multi_cfg& c, std::uint32_t group, std::uint32_t chunk, ops::attention_params p,
-                 std::uint32_t seed) {
-    CAPTURE(seed);
-    CAPTURE(c.n_head_kv);
-    CAPTURE(c.dk);
-    CAPTURE(c.dv);
-    CAPTURE(group);
-    CAPTURE(chunk);
-    CAPTURE(p.window);
-    CAPTURE(p.deterministic);
-    const auto shape = make_shape<Cache>(c);
-    Cache cache(shape);
-    build(cache, c, seed);
-    p.n_head = c.n_head_kv * group;
-    std::mt19937 rng(seed * 7u + 1u);
-    const rows r = make_rows(cache, c, p.n_head, chunk, rng);
+void check_call(const Cache& cache, const rows& r, ops::attention_params p) {
+    const auto& shape = cache.shape();
     const std::size_t row_q = std::size_t{p.n_head} * shape.dim_k(), row_o = std::size_t{p.n_head} * shape.dim_v();
     ops::attention_workspace ws;
     for (std::uint32_t layer = 0; layer < shape.n_layer; ++layer) {
@@ -221,7 +208,7 @@ void check_multi(const multi_cfg& c, std::uint32_t group, std::uint32_t chunk, o
         }
         // A call holding only one sequence's rows, and a call holding one row alone: the
         // same bits for every row.
-        for (seq_id_t sq = 0; sq <= static_cast<seq_id_t>(c.n_seq); ++sq) {
+        for (seq_id_t sq = 0; sq < static_cast<seq_id_t>(shape.n_seq_max); ++sq) {
             std::vector<std::uint32_t> pick;
             for (std::uint32_t i = 0; i < r.size(); ++i)
                 if (r.seq[i] == sq) pick.push_back(i);
@@ -240,6 +227,26 @@ void check_multi(const multi_cfg& c, std::uint32_t group, std::uint32_t chunk, o
     }
 }
 
+// The whole check for one cache type and configuration.
+template <class Cache>
+void check_multi(const multi_cfg& c, std::uint32_t group, std::uint32_t chunk, ops::attention_params p,
+                 std::uint32_t seed) {
+    CAPTURE(seed);
+    CAPTURE(c.n_head_kv);
+    CAPTURE(c.dk);
+    CAPTURE(c.dv);
+    CAPTURE(group);
+    CAPTURE(chunk);
+    CAPTURE(p.window);
+    CAPTURE(p.deterministic);
+    const auto shape = make_shape<Cache>(c);
+    Cache cache(shape);
+    build(cache, c, seed);
+    p.n_head = c.n_head_kv * group;
+    std::mt19937 rng(seed * 7u + 1u);
+    const rows r = make_rows(cache, c, p.n_head, chunk, rng);
+    check_call(cache, r, p);
+}
 using row_major = kvcache::contiguous<kvcache::v_layout::row_major>;
 using transposed = kvcache::contiguous<kvcache::v_layout::transposed>;
 using paged_rm = kvcache::paged<32, kvcache::v_layout::row_major>;
@@ -328,4 +335,307 @@ TEST_CASE("attention refuses a cache with pending K-shifts, writes nothing, and 
     REQUIRE_FALSE(cache.has_shift());
     const auto after = run(cache, 0, r, p, ws);
     CHECK(nmse(after, ref::attention(cache, 0, r.q, r.pos, r.seq, p)) <= 1e-10);
+}
+
+// ---------------------------------------------------------------- shared prefixes (cascade)
+
+namespace {
+
+struct shared_cfg {
+    std::uint32_t n_head_kv = 2, dk = 64;
+    std::uint32_t prefix = 1100;  // sequence 0's prefix (>= 1024 cells: a cascade class), then seq_cp
+    std::uint32_t n_fork = 6;     // sequences 0 .. n_fork-1 share the prefix
+    std::uint32_t own = 70;       // tokens of each fork's own after the prefix
+    bool interleaved = false;     // own tokens appended a few at a time, forks taking turns
+    std::uint32_t spare = 256;    // free cells left over
+};
+
+template <class Cache>
+kvcache::model_shape shared_shape(const shared_cfg& c) {
+    constexpr std::uint32_t blk = block_cells<typename Cache::layout>;
+    kvcache::model_shape s;
+    s.n_layer = 2;
+    s.n_head_kv = c.n_head_kv;
+    s.head_dim_k = c.dk;
+    const std::uint32_t n = c.prefix + c.n_fork * (c.own + 2 * blk) + c.spare;
+    s.n_cells = (n + blk - 1) / blk * blk;
+    s.n_seq_max = c.n_fork + 1;
+    return s;
+}
+
+// A prefix forked to n_fork sequences (seq_cp), each then extended by its own tokens;
+// NaN K/V in every free cell.
+template <class Cache>
+void shared_build(Cache& cache, const shared_cfg& c, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const auto& s = cache.shape();
+    std::vector<pos_t> next(c.n_fork, 0);
+    auto append = [&](seq_id_t sq, std::uint32_t n) {
+        std::vector<pos_t> pos(n);
+        std::vector<seq_id_t> seq(n, sq);
+        for (auto& p : pos) p = next[static_cast<std::size_t>(sq)]++;
+        auto placed = cache.place(pos, seq);
+        REQUIRE(placed.ok());
+        for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+            std::vector<float> k(n * s.k_row_size()), v(n * s.v_row_size());
+            for (auto& x : k) x = nd(rng);
+            for (auto& x : v) x = nd(rng);
+            cache.write_k(l, placed.value().cells, k.data());
+            cache.write_v(l, placed.value().cells, v.data());
+        }
+        static_cast<void>(cache.commit());
+    };
+    for (std::uint32_t done = 0; done < c.prefix; done += 128) append(0, std::min<std::uint32_t>(128, c.prefix - done));
+    for (seq_id_t f = 1; f < static_cast<seq_id_t>(c.n_fork); ++f) {
+        REQUIRE(cache.seq_cp(0, f, 0, static_cast<pos_t>(c.prefix)));
+        next[static_cast<std::size_t>(f)] = static_cast<pos_t>(c.prefix);
+    }
+    if (c.interleaved) {
+        for (std::uint32_t done = 0; done < c.own;) {
+            const std::uint32_t n = std::min<std::uint32_t>(1 + rng() % 6, c.own - done);
+            for (seq_id_t f = 0; f < static_cast<seq_id_t>(c.n_fork); ++f) append(f, n);
+            done += n;
+        }
+    } else {
+        for (seq_id_t f = 0; f < static_cast<seq_id_t>(c.n_fork); ++f) append(f, c.own);
+    }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    typename Cache::storage_type bad;
+    Cache::element::from_float(&nan, &bad, 1);
+    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+        auto v = cache.storage().view(l);
+        for (std::uint32_t cell = 0; cell < v.n_cells_pad; ++cell) {
+            if (cell < cache.capacity() && !cache.cells().is_free(cell)) continue;
+            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
+                for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, cell, d)] = bad;
+                for (std::uint32_t d = 0; d < s.dim_v(); ++d) v.v[v.v_offset(h, cell, d)] = bad;
+            }
+        }
+    }
+}
+
+// One decode row per fork, a 5-row chunk of fork 1's last positions, a row of the last
+// fork inside the prefix (it sees part of it); shuffled.
+template <class Cache>
+rows shared_rows(const Cache& cache, const shared_cfg& c, std::uint32_t n_head, std::mt19937& rng) {
+    rows r;
+    for (seq_id_t f = 0; f < static_cast<seq_id_t>(c.n_fork); ++f) {
+        r.pos.push_back(cache.seq_pos_max(f) + 1);
+        r.seq.push_back(f);
+    }
+    for (pos_t i = 0; i < 5; ++i) {
+        r.pos.push_back(cache.seq_pos_max(1) - i);
+        r.seq.push_back(1);
+    }
+    r.pos.push_back(static_cast<pos_t>(c.prefix / 2));
+    r.seq.push_back(static_cast<seq_id_t>(c.n_fork - 1));
+    std::vector<std::size_t> perm(r.pos.size());
+    for (std::size_t i = 0; i < perm.size(); ++i) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    rows o;
+    for (std::size_t i : perm) {
+        o.pos.push_back(r.pos[i]);
+        o.seq.push_back(r.seq[i]);
+    }
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    o.q.resize(std::size_t{o.size()} * n_head * cache.shape().dim_k());
+    for (auto& x : o.q) x = nd(rng);
+    return o;
+}
+
+// Slot groups of `want` slots (as ops::attention cuts them: 16s, then 1/2/4/8/16).
+std::size_t shared_groups(std::size_t want) {
+    std::size_t n = 0;
+    while (want > 0) {
+        const std::size_t m = want >= 16 ? 16 : want > 8 ? 16 : want > 4 ? 8 : want > 2 ? 4 : want;
+        want -= std::min(want, m);
+        ++n;
+    }
+    return n;
+}
+
+// attention_plan's items run in a shuffled order on this thread, and by `workers`
+// std::threads taking items from a shared counter: the bits of ops::attention.
+template <class Cache>
+void plan_check(const Cache& cache, const rows& r, const ops::attention_params& p, std::uint32_t seed) {
+    const std::size_t n_out = std::size_t{r.size()} * p.n_head * cache.shape().dim_v();
+    ops::attention_workspace ws, ws_plan;
+    std::mt19937 rng(seed);
+    for (std::uint32_t layer = 0; layer < cache.shape().n_layer; ++layer) {
+        const auto want = run(cache, layer, r, p, ws);
+        {
+            std::vector<float> out(n_out, -7.0f);
+            ops::attention_plan<Cache> plan(cache, layer, r.q.data(), r.pos.data(), r.seq.data(), r.size(), p,
+                                            out.data(), ws_plan);
+            REQUIRE(plan.n_items() > 0);
+            std::vector<std::size_t> order(plan.n_items());
+            for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+            std::shuffle(order.begin(), order.end(), rng);
+            ops::attention_scratch sc;
+            CHECK_THROWS_AS(plan.run_item(plan.n_items(), sc), kvcache::error);
+            for (std::size_t k = 0; k + 1 < order.size(); ++k) plan.run_item(order[k], sc);
+            CHECK_THROWS_AS(plan.finish(), kvcache::error);  // one item left
+            plan.run_item(order.back(), sc);
+            plan.finish();
+            CHECK(same_bits(out.data(), want.data(), n_out));
+        }
+        for (int workers : {2, 3}) {
+            std::vector<float> out(n_out, -7.0f);
+            ops::attention_plan<Cache> plan(cache, layer, r.q.data(), r.pos.data(), r.seq.data(), r.size(), p,
+                                            out.data(), ws_plan);
+            std::vector<std::size_t> order(plan.n_items());
+            for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+            std::shuffle(order.begin(), order.end(), rng);
+            std::atomic<std::size_t> next{0};
+            std::vector<std::thread> pool;
+            for (int w = 0; w < workers; ++w)
+                pool.emplace_back([&] {
+                    ops::attention_scratch sc;
+                    for (std::size_t k; (k = next.fetch_add(1)) < order.size();) plan.run_item(order[k], sc);
+                });
+            for (auto& t : pool) t.join();
+            plan.finish();
+            CHECK_MESSAGE(same_bits(out.data(), want.data(), n_out), "workers ", workers);
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("attention: shared prefixes (forks after seq_cp) match the oracle, read once, bit-identical alone",
+                   C, layout_combo<kvcache::f16, row_major>, layout_combo<kvcache::f32, paged_t>) {
+    using cache_t = typename C::cache;
+    std::uint32_t seed = 2026112611u;
+    struct shared_case {
+        std::uint32_t group;
+        std::int32_t window;
+        bool interleaved;
+    };
+    bool first = true;
+    for (const shared_case sc : {shared_case{4, 0, false}, shared_case{1, 300, true}, shared_case{8, 700, false}}) {
+        CAPTURE(sc.group);
+        CAPTURE(sc.window);
+        CAPTURE(sc.interleaved);
+        shared_cfg c;
+        c.interleaved = sc.interleaved;
+        cache_t cache(shared_shape<cache_t>(c));
+        shared_build(cache, c, seed);
+        ops::attention_params p;
+        p.n_head = c.n_head_kv * sc.group;
+        p.window = sc.window;
+        std::mt19937 rng(seed++);
+        const rows r = shared_rows(cache, c, p.n_head, rng);
+        check_call(cache, r, p);
+        if (!sc.interleaved) {
+            // The prefix is one segment for every row (read once per 16 slots), each fork's
+            // own tiles one segment for its rows: items per KV head = the groups of all rows'
+            // slots + each fork's groups (one part each: < 4096 cells).
+            std::size_t want_items = shared_groups(std::size_t{r.size()} * sc.group);
+            for (seq_id_t f = 0; f < static_cast<seq_id_t>(c.n_fork); ++f)
+                want_items += shared_groups(std::size_t(std::count(r.seq.begin(), r.seq.end(), f)) * sc.group);
+            std::vector<float> out(std::size_t{r.size()} * p.n_head * c.dk);
+            ops::attention_workspace ws;
+            ops::attention_plan<cache_t> plan(cache, 0, r.q.data(), r.pos.data(), r.seq.data(), r.size(), p,
+                                              out.data(), ws);
+            CHECK(plan.n_items() == want_items * c.n_head_kv);
+        }
+        if (!first) continue;
+        first = false;
+        auto pn = p;
+        pn.deterministic = false;
+        pn.n_threads = 2;
+        check_call(cache, r, pn);
+        plan_check(cache, r, p, seed);
+        plan_check(cache, r, pn, seed + 1);
+    }
+}
+
+TEST_CASE("attention: a long shared prefix cut into parts; plans on the scalar path and empty calls") {
+    using cache_t = kvcache::kv_cache<kvcache::f16>;
+    shared_cfg c;
+    c.prefix = 8600;  // two parts of the prefix's segment in deterministic mode
+    c.n_head_kv = 1;
+    c.n_fork = 3;
+    c.own = 100;
+    cache_t cache(shared_shape<cache_t>(c));
+    shared_build(cache, c, 77u);
+    ops::attention_params p;
+    p.n_head = c.n_head_kv * 4;
+    std::mt19937 rng(78u);
+    const rows r = shared_rows(cache, c, p.n_head, rng);
+    check_call(cache, r, p);
+    plan_check(cache, r, p, 79u);
+    auto ps = p;
+    ps.path = ops::kernel_path::scalar;
+    plan_check(cache, r, ps, 80u);
+    // No rows: no items, finish() at once.
+    ops::attention_workspace ws;
+    ops::attention_plan<cache_t> empty(cache, 0, nullptr, nullptr, nullptr, 0, p, nullptr, ws);
+    CHECK(empty.n_items() == 0);
+    empty.finish();
+    // Bad arguments throw at construction, as ops::attention does.
+    std::vector<float> out(std::size_t{r.size()} * p.n_head * c.dk, -7.0f);
+    auto pb = p;
+    pb.n_head = 0;
+    CHECK_THROWS_AS(ops::attention_plan<cache_t>(cache, 0, r.q.data(), r.pos.data(), r.seq.data(), r.size(), pb,
+                                                 out.data(), ws),
+                    kvcache::error);
+    for (float x : out) CHECK(x == -7.0f);
+}
+
+TEST_CASE_TEMPLATE("kshift_plan: items in any order, on any threads, give apply_k_shift's bits", C,
+                   layout_combo<kvcache::f16, row_major>, layout_combo<kvcache::f32, paged_rm>) {
+    using cache_t = typename C::cache;
+    shared_cfg c;
+    c.prefix = 600;
+    c.n_fork = 3;
+    c.own = 90;
+    c.interleaved = true;
+    c.spare = 2048;  // seq_add on shared cells gives the mover copies
+    cache_t a(shared_shape<cache_t>(c)), b(shared_shape<cache_t>(c));
+    shared_build(a, c, 5u);
+    shared_build(b, c, 5u);
+    for (cache_t* x : {&a, &b}) {
+        REQUIRE(x->seq_add(1, 200, -1, 9));
+        REQUIRE(x->seq_add(2, 0, 300, -17));
+        REQUIRE(x->has_shift());
+    }
+    ops::apply_k_shift(a, 2);
+    for (std::size_t items : {std::size_t{0}, std::size_t{7}}) {
+        CAPTURE(items);
+        cache_t& t = b;
+        if (items == 7) {  // a second shift on both, through a plan of 7 items
+            REQUIRE(a.seq_add(0, 100, -1, 3));
+            REQUIRE(t.seq_add(0, 100, -1, 3));
+            ops::apply_k_shift(a, 1);
+        }
+        ops::kshift_plan<cache_t> plan(t, items);
+        REQUIRE(plan.n_items() > 0);
+        CHECK_THROWS_AS(plan.run_item(plan.n_items()), kvcache::error);
+        CHECK_THROWS_AS(plan.finish(), kvcache::error);  // nothing ran: shifts kept
+        CHECK(t.has_shift());
+        std::vector<std::size_t> order(plan.n_items());
+        for (std::size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
+        std::atomic<std::size_t> next{0};
+        std::vector<std::thread> pool;
+        for (int w = 0; w < 2; ++w)
+            pool.emplace_back([&] {
+                for (std::size_t k; (k = next.fetch_add(1)) < order.size();) plan.run_item(order[k]);
+            });
+        for (auto& th : pool) th.join();
+        plan.finish();
+        CHECK_FALSE(t.has_shift());
+        const auto& s = a.shape();
+        bool same = true;
+        for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+            const auto va = a.storage().view(l), vb = t.storage().view(l);
+            for (std::uint32_t cell = 0; cell < a.capacity(); ++cell)
+                for (std::uint32_t h = 0; h < s.n_head_kv; ++h)
+                    for (std::uint32_t d = 0; d < s.dim_k(); ++d)
+                        same = same && std::memcmp(&va.k[va.k_offset(h, cell, d)], &vb.k[vb.k_offset(h, cell, d)],
+                                                   sizeof(va.k[0])) == 0;
+        }
+        CHECK(same);
+    }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>  // std::sort, std::unique, std::lower_bound
+#include <atomic>     // kshift_plan's item count
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
 #include <string>     // messages
@@ -131,6 +132,72 @@ plan make_plan(const Cache& cache, int n_threads) {
 
 }  // namespace detail_kshift
 
+namespace detail_kshift {
+/// The tiles of one K-shift call as flat work: tile k of (layer l, KV head h) is unit
+/// (l * n_head_kv + h) * n_tiles + k. rotate(u) rotates unit u, the same code (and so
+/// the same bits) whoever calls it.
+template <class Cache>
+struct units {
+    using storage_type = typename Cache::storage_type;
+    using element = typename Cache::element;
+    plan pl;
+    std::vector<kv_layer_view<storage_type>> views;
+    std::uint32_t n_head_kv = 0;
+    std::int64_t n_tiles = 0, n_units = 0;
+    kernel_path path = kernel_path::simd;
+    bool prefetch = false;
+
+    units(Cache& cache, int n_threads, kernel_path kp) : pl(make_plan(cache, n_threads)), path(kp) {
+        const model_shape& shape = cache.shape();
+        n_head_kv = shape.n_head_kv;
+        prefetch = cpu_is_intel();
+        n_tiles = static_cast<std::int64_t>(pl.tiles.size());
+        if (pl.n_pairs == 0 || pl.tiles.empty()) return;
+        views.reserve(shape.n_layer);
+        for (std::uint32_t l = 0; l < shape.n_layer; ++l) views.push_back(cache.storage().view(l));
+        n_units = std::int64_t{shape.n_layer} * n_head_kv * n_tiles;
+    }
+    storage_type* tile_ptr(std::int64_t u) const noexcept {
+        const std::int64_t stream = u / n_tiles;
+        const kv_layer_view<storage_type>& v = views[static_cast<std::size_t>(stream / n_head_kv)];
+        const auto& rot = pl.tiles[static_cast<std::size_t>(u - stream * n_tiles)];
+        return v.k_tile_ptr(static_cast<std::uint32_t>(stream % n_head_kv), rot.tile);
+    }
+    void rotate(std::int64_t u) const noexcept {
+        const kernels::tile_rotation& rot = pl.tiles[static_cast<std::size_t>(u % n_tiles)];
+        const float* ct = pl.cos_tab.data() + std::size_t{rot.table} * pl.n_pairs;
+        const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
+        storage_type* tile = tile_ptr(u);
+        // The tile after next, asked for one line per row pair as the kernel goes.
+        // The kernel walks each tile in address order (rows are in pair order, see
+        // format/kv_view.hpp): on the 16-core Xeon it still needs the prefetch
+        // (1 thread, f16: 0.58 of the in-place bandwidth without, 1.2 with), on Zen 5
+        // it runs 5-7% faster without. A burst of prefetches per tile did no better
+        // and swung by 2x with its loop's alignment.
+        const char* ahead = prefetch && u + 2 < n_units ? reinterpret_cast<const char*>(tile_ptr(u + 2)) : nullptr;
+        if (path == kernel_path::simd) {
+            if constexpr (kvcache::detail::has_simd_storage<element>)
+                kernels::rotate_tile(tile, pl.n_rot, rot, ct, st, ahead);
+            else  // generic path: row pairs converted through element::to_float / from_float
+                kernels::rotate_tile_converted<element>(tile, pl.n_rot, rot, ct, st);
+        } else {
+            kernels::rotate_tile_scalar(
+                tile, pl.n_rot, rot, ct, st,
+                [](storage_type x) {
+                    float f;
+                    element::to_float(&x, &f, 1);
+                    return f;
+                },
+                [](float f) {
+                    storage_type x;
+                    element::from_float(&f, &x, 1);
+                    return x;
+                });
+        }
+    }
+};
+}  // namespace detail_kshift
+
 /// K-shift (F6): rotates the cached K of every layer by each cell's pending delta
 /// (cache.cells().shift(c), the sum of every seq_add / seq_div since the last K-shift),
 /// then clears the pending deltas. V is not touched. Reads and writes only cells [0, n)
@@ -142,6 +209,7 @@ plan make_plan(const Cache& cache, int n_threads) {
 /// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
 /// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
 /// Refused (kvcache::error transaction_open, nothing changed) while placements are staged.
+/// (kshift_plan runs the same work on the caller's threads.)
 template <class Cache>
 void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
     static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
@@ -149,66 +217,76 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
     if (cache.in_transaction())  // restore() would put back metadata of K already rotated
         kvcache::detail::fail(errc::transaction_open, "apply_k_shift: placements are staged; commit() or restore() first");
     if (!cache.has_shift()) return;
-    using storage_type = typename Cache::storage_type;
-    using element = typename Cache::element;
-    const model_shape& shape = cache.shape();
-    const detail_kshift::plan pl = detail_kshift::make_plan(cache, n_threads);
-    if (pl.n_pairs != 0 && !pl.tiles.empty()) {
-        const std::uint32_t n_head_kv = shape.n_head_kv;
-        const bool prefetch = cpu_is_intel();
-        const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
+    const detail_kshift::units<Cache> un(cache, n_threads, path);
+    if (un.n_units > 0) {
+        const std::int64_t n_items = un.n_units;
         const int threads = resolve_threads(n_threads);
         static_cast<void>(threads);
-        std::vector<kv_layer_view<storage_type>> views;
-        views.reserve(shape.n_layer);
-        for (std::uint32_t l = 0; l < shape.n_layer; ++l) views.push_back(cache.storage().view(l));
-        // Tile k of (layer l, head h) is work item (l * n_head_kv + h) * n_tiles + k; the
-        // items are split into one contiguous range per thread inside one parallel region
-        // (a region per layer and head cost a wake-up of every thread each time: with
-        // passive waiting, 16 threads spent a third of the call asleep).
-        const std::int64_t n_items = std::int64_t{shape.n_layer} * n_head_kv * n_tiles;
-        auto tile_ptr = [&](std::int64_t item) {
-            const std::int64_t stream = item / n_tiles;
-            const kv_layer_view<storage_type>& v = views[static_cast<std::size_t>(stream / n_head_kv)];
-            const auto& rot = pl.tiles[static_cast<std::size_t>(item - stream * n_tiles)];
-            return v.k_tile_ptr(static_cast<std::uint32_t>(stream % n_head_kv), rot.tile);
-        };
+        // The units are split into one contiguous range per thread inside one parallel
+        // region (a region per layer and head cost a wake-up of every thread each time:
+        // with passive waiting, 16 threads spent a third of the call asleep).
         KVCACHE_OMP(parallel for schedule(static) num_threads(threads) if (threads > 1))
-        for (std::int64_t item = 0; item < n_items; ++item) {
-            const kernels::tile_rotation& rot = pl.tiles[static_cast<std::size_t>(item % n_tiles)];
-            const float* ct = pl.cos_tab.data() + std::size_t{rot.table} * pl.n_pairs;
-            const float* st = pl.sin_tab.data() + std::size_t{rot.table} * pl.n_pairs;
-            storage_type* tile = tile_ptr(item);
-            // The tile after next, asked for one line per row pair as the kernel goes.
-            // The kernel walks each tile in address order (rows are in pair order, see
-            // format/kv_view.hpp): on the 16-core Xeon it still needs the prefetch
-            // (1 thread, f16: 0.58 of the in-place bandwidth without, 1.2 with), on Zen 5
-            // it runs 5-7% faster without. A burst of prefetches per tile did no better
-            // and swung by 2x with its loop's alignment.
-            const char* ahead = prefetch && item + 2 < n_items ? reinterpret_cast<const char*>(tile_ptr(item + 2)) : nullptr;
-            if (path == kernel_path::simd) {
-                if constexpr (kvcache::detail::has_simd_storage<element>)
-                    kernels::rotate_tile(tile, pl.n_rot, rot, ct, st, ahead);
-                else  // generic path: row pairs converted through element::to_float / from_float
-                    kernels::rotate_tile_converted<element>(tile, pl.n_rot, rot, ct, st);
-            } else {
-                kernels::rotate_tile_scalar(
-                    tile, pl.n_rot, rot, ct, st,
-                    [](storage_type x) {
-                        float f;
-                        element::to_float(&x, &f, 1);
-                        return f;
-                    },
-                    [](float f) {
-                        storage_type x;
-                        element::from_float(&f, &x, 1);
-                        return x;
-                    });
-            }
-        }
+        for (std::int64_t item = 0; item < n_items; ++item) un.rotate(item);
     }
     cache.clear_shifts();
 }
+
+/// ops::apply_k_shift cut into work items that the caller runs (host-driven
+/// parallelism: an engine's own thread pool, no OpenMP). Construction checks and plans
+/// as apply_k_shift does (same errors, nothing changed when it throws); run_item(i) for
+/// every i in [0, n_items()), in any order, concurrently on any threads; then finish(),
+/// which clears the pending shifts. K is bit-identical to apply_k_shift's whatever the
+/// order and the threads (each tile is rotated by the same code, once). n_items: how
+/// many items to cut the work into (0: one per layer and KV head; fewer when there is
+/// less work). The cache must outlive the plan and stay unchanged until finish().
+template <class Cache>
+class kshift_plan {
+public:
+    explicit kshift_plan(Cache& cache, std::size_t n_items = 0, kernel_path path = kernel_path::simd)
+        : cache_(&cache), un_(checked(cache), 1, path) {
+        const std::int64_t want =
+            n_items != 0 ? static_cast<std::int64_t>(n_items) : std::int64_t{cache.shape().n_layer} * un_.n_head_kv;
+        n_items_ = static_cast<std::size_t>(std::min(want, un_.n_units));
+    }
+    kshift_plan(const kshift_plan&) = delete;
+    kshift_plan& operator=(const kshift_plan&) = delete;
+
+    /// Work items to run (0: nothing moves).
+    [[nodiscard]] std::size_t n_items() const noexcept { return n_items_; }
+    /// Rotates item i's tiles (i < n_items(), else invalid_argument and nothing changed).
+    void run_item(std::size_t i) const {
+        if (i >= n_items_)
+            kvcache::detail::fail(errc::invalid_argument, "kshift_plan::run_item: i = " + std::to_string(i) +
+                                                              ", must be < n_items() = " + std::to_string(n_items_));
+        const auto n = static_cast<std::int64_t>(n_items_), k = static_cast<std::int64_t>(i);
+        const std::int64_t b = un_.n_units * k / n, e = un_.n_units * (k + 1) / n;
+        for (std::int64_t u = b; u < e; ++u) un_.rotate(u);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    /// Ends the K-shift: clears the cache's pending shifts. Throws invalid_argument (shifts
+    /// kept) unless every item ran exactly once.
+    void finish() {
+        const std::size_t done = done_.load(std::memory_order_acquire);
+        if (done != n_items_)
+            kvcache::detail::fail(errc::invalid_argument, "kshift_plan::finish: " + std::to_string(done) +
+                                                              " item runs for n_items() = " + std::to_string(n_items_) +
+                                                              " (each item must run exactly once)");
+        cache_->clear_shifts();
+    }
+
+private:
+    static Cache& checked(Cache& cache) {
+        static_assert(kv_memory<Cache>, "kvcache: ops::kshift_plan needs a kvcache::kv_memory");
+        if (cache.in_transaction())
+            kvcache::detail::fail(errc::transaction_open,
+                                  "kshift_plan: placements are staged; commit() or restore() first");
+        return cache;
+    }
+    Cache* cache_;
+    detail_kshift::units<Cache> un_;
+    std::size_t n_items_ = 0;
+    mutable std::atomic<std::size_t> done_{0};  // items run
+};
 
 /// K-shift of a memory made of several caches (iswa_cache): every part's pending shift.
 template <class Memory>

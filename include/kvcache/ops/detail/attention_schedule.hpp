@@ -2,13 +2,15 @@
 // driver that runs the items (kernels/attention.hpp) and finishes them
 // (attention_merge.hpp).
 //
-// A work item is (KV head, group of M query slots of ONE sequence, part of that
-// sequence's tiles). The query slots of one sequence and KV head (its rows x the query
-// heads of the GQA group) are cut into groups of up to 16 that share every K/V read;
-// each group visits only the tiles holding cells of its sequence (ops/attention.hpp
-// lists them), so a row never pays for another sequence's cells. When there are too
-// few items to feed the threads (or, in deterministic mode, whenever a sequence is long)
-// a sequence's tiles are cut into n_split parts (split-K, see split_count).
+// A work item is (KV head, group of up to 16 query slots, part of one segment of tiles).
+// A segment is either a cascade class (tiles whose cells several sequences share, e.g. a
+// prefix forked with seq_cp: attention_cells.hpp) with the slots of every sequence of the
+// call that sees it, read once for all of them (GEMM-shaped, like prefill), or one
+// sequence's remaining tiles with its own slots. The query slots (rows x the query heads
+// of the GQA group) are cut into groups of up to 16 that share every K/V read; a row
+// never pays for another sequence's cells. Long segments are cut into n_split parts
+// (split-K, see split_count); a row's partial states (its segments' parts) are merged
+// by log-sum-exp in a fixed order (attention_merge.hpp).
 #pragma once
 
 #include <algorithm>  // std::min, std::max, std::fill
@@ -102,41 +104,55 @@ inline std::size_t plan_split(const std::vector<kernels::tile_range>& ranges, st
     return n_split;
 }
 
-/// One work item of a call: KV head h, the m slots from slot0 (of one sequence), part
-/// `part` of the n_split parts of that sequence's tiles.
+/// One work item of a call: KV head h, the m slots from slot0 (rows of one sequence, or
+/// of every sequence of the call that shares a cascade class's tiles), one part of one
+/// segment's tiles (split_ranges[split_first[part], split_first[part + 1])).
 struct work_item {
     std::uint32_t h = 0;
     std::uint32_t m = 1;           ///< slots: 1, 2, 4, 8 or 16
-    std::size_t slot0 = 0;         ///< first slot (and output row) in the call's arrays
-    std::size_t part = 0;          ///< index of its part in split_first (ranges [first[part], first[part+1]))
-    std::uint32_t k = 0;           ///< which part of its group (0 .. n_split-1)
-    std::uint32_t n_split = 1;
-    std::size_t group = 0;         ///< merge group (parts_done index; n_split > 1 only)
-    std::size_t partial0 = 0;      ///< the group's partial states (floats; n_split > 1 only)
+    std::size_t slot0 = 0;         ///< first slot in the call's arrays
+    std::size_t part = 0;          ///< index of its part in split_first
+    std::size_t partial0 = 0;      ///< its M x (dv + 2) partial states (floats; slots that merge)
 };
 
-/// Runs every work item on `threads` threads, each on its own part of `scratch`.
-/// Fixed: every score in one fixed order (kernels::attend_item_fixed_order).
-template <class Element, bool Fixed>
-void run_items(const kv_layer_view<const typename Element::storage_type>& kv,
-               const kernels::attn_meta<cell_seqs>& meta, const kernels::attn_shape& sh,
-               const kernels::attn_slot* slots, float* const* out_rows, const work_item* items, std::size_t n_items,
-               const kernels::tile_range* split_ranges, const std::size_t* split_first, float* scratch,
-               std::size_t scratch_per_thread, float* partial, std::uint32_t* parts_done, int threads) {
-    using T = typename Element::storage_type;
-    const std::uint32_t dv = sh.dv;
-    const float ninf = -std::numeric_limits<float>::infinity();
+/// Everything a call's work items read (built by ops/attention.hpp).
+template <class T>
+struct call_items {
+    kv_layer_view<const T> kv{};
+    kernels::attn_meta<cell_seqs> meta{};
+    kernels::attn_shape sh{};
+    const kernels::attn_slot* slots = nullptr;
+    const work_item* items = nullptr;
+    std::size_t n_items = 0;
+    const kernels::tile_range* split_ranges = nullptr;
+    const std::size_t* split_first = nullptr;
+    slot_targets tg{};
+};
 
-    // One work item of M slots on thread tid's scratch: its output rows or its partial state.
-    auto run_m = [&](const work_item& w, int tid, auto m_tag) {
+/// Floats of scratch one thread needs to run items of up to m_max slots (stage: the
+/// generic path's converted tiles, k_tile x (dk + dv) floats; 0 for f32 / f16 / bf16).
+inline std::size_t item_scratch_floats(std::size_t m_max, std::uint32_t dk, std::uint32_t dv,
+                                       std::size_t stage) noexcept {
+    return m_max * dv + m_max * k_tile + std::size_t{k_tile} * dv + m_max * dk + 16 + stage;
+}
+
+/// Runs work item i of the call c on `scratch` (item_scratch_floats floats, this
+/// caller's own) and finishes it (finish_slots). Fixed: every score in one fixed order
+/// (kernels::attend_item_fixed_order). Thread-safe for distinct items.
+template <class Element, bool Fixed>
+void run_one_item(const call_items<typename Element::storage_type>& c, std::size_t i, float* scratch) noexcept {
+    using T = typename Element::storage_type;
+    const std::uint32_t dv = c.sh.dv;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    auto run_m = [&](const work_item& w, auto m_tag) {
         constexpr std::size_t M = decltype(m_tag)::value;
-        float* acc = scratch + static_cast<std::size_t>(tid) * scratch_per_thread;
+        float* acc = scratch;
         float* p_buf = acc + M * dv;
         float* vt_buf = p_buf + M * k_tile;
         float* q_buf = vt_buf + std::size_t{k_tile} * dv;
-        const kernels::attn_slot* sl = slots + w.slot0;
-        const kernels::tile_range* rg = split_ranges + split_first[w.part];
-        const std::size_t n_rg = split_first[w.part + 1] - split_first[w.part];
+        const kernels::attn_slot* sl = c.slots + w.slot0;
+        const kernels::tile_range* rg = c.split_ranges + c.split_first[w.part];
+        const std::size_t n_rg = c.split_first[w.part + 1] - c.split_first[w.part];
         kernels::attn_state<M> st;
         st.acc = acc;
         for (std::size_t s = 0; s < M; ++s) {
@@ -146,49 +162,28 @@ void run_items(const kv_layer_view<const typename Element::storage_type>& kv,
         std::fill(acc, acc + M * dv, 0.0f);
         auto attend = [&](const auto&... conv) {
             if constexpr (Fixed)
-                kernels::attend_item_fixed_order<M, T>(kv, w.h, meta, sh, sl, rg, n_rg, st, p_buf, vt_buf, q_buf, conv...);
+                kernels::attend_item_fixed_order<M, T>(c.kv, w.h, c.meta, c.sh, sl, rg, n_rg, st, p_buf, vt_buf, q_buf,
+                                                       conv...);
             else
-                kernels::attend_item<M, T>(kv, w.h, meta, sh, sl, rg, n_rg, st, p_buf, vt_buf, q_buf, conv...);
+                kernels::attend_item<M, T>(c.kv, w.h, c.meta, c.sh, sl, rg, n_rg, st, p_buf, vt_buf, q_buf, conv...);
         };
         if constexpr (kvcache::detail::has_simd_storage<Element>) {
             attend();
         } else {
-            // Generic path: tiles converted through Element::to_float into this thread's scratch.
-            float* stage = q_buf + M * sh.dk;  // k_tile x (dk + dv) floats (see `need` in attention())
-            const kernels::converted_tiles<Element> src{stage, stage + std::size_t{k_tile} * sh.dk};
+            // Generic path: tiles converted through Element::to_float into this caller's scratch.
+            float* stage = q_buf + M * c.sh.dk;  // k_tile x (dk + dv) floats
+            const kernels::converted_tiles<Element> src{stage, stage + std::size_t{k_tile} * c.sh.dk};
             attend(src);
         }
-        finish_item<M>(st, acc, dv, w.k, w.n_split, out_rows + w.slot0, partial + w.partial0,
-                       parts_done + w.group);
+        finish_slots<M>(st, acc, dv, w.slot0, w.partial0, c.tg);
     };
-    auto run_item = [&](std::size_t i, int tid) {
-        const work_item& w = items[i];
-        switch (w.m) {
-            case 1: run_m(w, tid, std::integral_constant<std::size_t, 1>{}); break;
-            case 2: run_m(w, tid, std::integral_constant<std::size_t, 2>{}); break;
-            case 4: run_m(w, tid, std::integral_constant<std::size_t, 4>{}); break;
-            case 8: run_m(w, tid, std::integral_constant<std::size_t, 8>{}); break;
-            default: run_m(w, tid, std::integral_constant<std::size_t, 16>{}); break;
-        }
-    };
-    if (threads <= 1 || n_items <= 1) {
-        // No parallel region at all: entering one costs microseconds even with one thread.
-        for (std::size_t i = 0; i < n_items; ++i) run_item(i, 0);
-        return;
-    }
-    const auto n = static_cast<std::int64_t>(n_items);
-    // nowait: the region's end is the only barrier after the items. With
-    // OMP_WAIT_POLICY=passive each barrier can cost a sleeping thread's wake-up; one
-    // barrier less per call (two with split-K, whose merge needed one of its own) made
-    // 1K-cell decode on 2 threads of the Zen 5 VM 1.12-1.18x faster, 4K 1.03x.
-    KVCACHE_OMP(parallel num_threads(threads))
-    {
-        int tid = 0;
-#if defined(_OPENMP)
-        tid = omp_get_thread_num();
-#endif
-        KVCACHE_OMP(for schedule(dynamic, 1) nowait)
-        for (std::int64_t it = 0; it < n; ++it) run_item(static_cast<std::size_t>(it), tid);
+    const work_item& w = c.items[i];
+    switch (w.m) {
+        case 1: run_m(w, std::integral_constant<std::size_t, 1>{}); break;
+        case 2: run_m(w, std::integral_constant<std::size_t, 2>{}); break;
+        case 4: run_m(w, std::integral_constant<std::size_t, 4>{}); break;
+        case 8: run_m(w, std::integral_constant<std::size_t, 8>{}); break;
+        default: run_m(w, std::integral_constant<std::size_t, 16>{}); break;
     }
 }
 }  // namespace ops::detail_attn
