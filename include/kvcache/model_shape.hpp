@@ -64,6 +64,7 @@ struct rope_yarn_params {
     float ext_factor = 1.0f;  ///< weight of the extrapolation ramp, in [0, 1] (llama.cpp yarn_ext_factor)
     float beta_fast = 32.0f;  ///< rotations where the ramp starts (pure extrapolation above)
     float beta_slow = 1.0f;   ///< rotations where it ends (pure interpolation below); < beta_fast
+    friend bool operator==(const rope_yarn_params&, const rope_yarn_params&) = default;
 };
 
 /// Llama 3.1+ frequency factors (rope.scaling == llama3; config.json "rope_type": "llama3").
@@ -71,6 +72,7 @@ struct rope_llama3_params {
     float factor = 8.0f;            ///< divisor of the low frequencies (>= 1)
     float low_freq_factor = 1.0f;   ///< wavelengths above n_ctx_orig / low_freq_factor get `factor`
     float high_freq_factor = 4.0f;  ///< wavelengths below n_ctx_orig / high_freq_factor keep 1 (> low)
+    friend bool operator==(const rope_llama3_params&, const rope_llama3_params&) = default;
 };
 
 /// M-RoPE extra position components of one token (Qwen2-VL / Qwen2.5-VL; llama.cpp's
@@ -148,6 +150,9 @@ struct rope_params {
     rope_factors short_factors{};  ///< longrope: divisors for positions below n_ctx_orig
     rope_factors long_factors{};   ///< longrope: divisors for positions from n_ctx_orig on
     rope_mrope_params mrope{};     ///< M-RoPE sections (off by default)
+
+    /// Field by field (float fields compared exactly; tables by value).
+    friend bool operator==(const rope_params&, const rope_params&) = default;
 
     /// YaRN's default magnitude for a context extension `factor` (= 1 / freq_scale):
     /// 0.1 ln(factor) + 1, or 1 when factor <= 1 (HF get_mscale).
