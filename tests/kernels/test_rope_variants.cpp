@@ -839,6 +839,18 @@ TEST_CASE("M-RoPE: extra positions stay with their cells through sequence ops, d
     REQUIRE(io::load_seq(one, 0, seq1));
     std::vector<seq_id_t> origin1 = {1, 1, 1};
     check_all(one, origin1, pos_max, 0);
+    {  // the prompt cache's copy_store keeps them too
+        kvcache::copy_store<kvcache::kv_cache<kvcache::f32>> store;
+        auto h = store.save(cache, 1).value();
+        CHECK(h.ext.size() == h.pos.size());
+        kvcache::kv_cache<kvcache::f32> copy(s);
+        REQUIRE(store.load(copy, 0, h));
+        check_all(copy, origin1, pos_max, 0);
+        h.ext.pop_back();  // malformed entry: refused, nothing placed
+        kvcache::kv_cache<kvcache::f32> bad(s);
+        CHECK(kvtest::refused_with(store.load(bad, 0, h), kvcache::errc::shape_mismatch));
+        CHECK(bad.used() == 0);
+    }
     cache.seq_keep(2);
     check_all(cache, origin, 25, 20);
     CHECK(cache.used() == 10);
