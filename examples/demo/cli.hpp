@@ -6,10 +6,30 @@
 #include <cerrno>     // errno, ERANGE
 #include <cstdint>    // std::uint64_t
 #include <cstdlib>    // std::strtoll, std::strtof
+#include <span>       // factor tables
 #include <stdexcept>  // std::invalid_argument
 #include <string>     // values, messages
+#include <vector>     // factor lists
+
+#include <kvcache/model_shape.hpp>  // kvcache::rope_params (apply_rope)
 
 namespace demo::cli {
+
+/// RoPE scaling options (--rope-scaling and its parameters); 0 / empty: not given.
+struct rope_options {
+    std::string scaling;          ///< --rope-scaling none|linear|yarn|llama3|longrope ("" = the model's)
+    float factor = 0.0f;          ///< --rope-factor: context extension (linear / yarn: freq_scale = 1 / F; llama3.factor)
+    std::uint32_t orig_ctx = 0;   ///< --rope-orig-ctx: original_max_position_embeddings (yarn, llama3, longrope)
+    float attn_factor = 0.0f;     ///< --rope-attn-factor: magnitude (default: YaRN's mscale for yarn, 1 otherwise)
+    float ntk_alpha = 0.0f;       ///< --rope-ntk-alpha: NTK-aware base scaling (any scaling)
+    float beta_fast = 0.0f;       ///< --yarn-beta-fast
+    float beta_slow = 0.0f;       ///< --yarn-beta-slow
+    float ext_factor = -1.0f;     ///< --yarn-ext-factor (-1: not given)
+    float low_freq = 0.0f;        ///< --llama3-low-freq
+    float high_freq = 0.0f;       ///< --llama3-high-freq
+    std::vector<float> short_factors;  ///< --longrope-short F,F,...
+    std::vector<float> long_factors;   ///< --longrope-long F,F,...
+};
 
 /// What to run and with which parameters (defaults: the README's demo).
 struct options {
@@ -33,6 +53,7 @@ struct options {
     float temperature = 0.8f;
     float rope_base = 0.0f;   ///< --rope-base: RoPE frequency base of the model (0: the model's, 10000 for llama2.c)
     float rope_scale = 0.0f;  ///< --rope-scale: linear position scaling (0: the model's, 1)
+    rope_options rope;        ///< --rope-scaling and its parameters
 };
 
 /// A bad command line; what() names the argument, the value given and what it must be.
@@ -47,12 +68,100 @@ inline const char* usage_text() noexcept {
            "                    [--model llama2c.bin] [--tokenizer tokenizer.bin] [--save-model FILE]\n"
            "                    [--context-shift] [--self-extend] [--ttft] [--no-timing]\n"
            "                    [--ctx N] [--n-keep N] [--n-gen N] [--ga-n N] [--ga-w N] [--temp T]\n"
-           "                    [--rope-base F] [--rope-scale F]\n";
+           "                    [--rope-base F] [--rope-scale F] [--rope-ntk-alpha F] [--rope-attn-factor F]\n"
+           "                    [--rope-scaling none|linear|yarn|llama3|longrope] [--rope-factor F] [--rope-orig-ctx N]\n"
+           "                    [--yarn-beta-fast F] [--yarn-beta-slow F] [--yarn-ext-factor F]\n"
+           "                    [--llama3-low-freq F] [--llama3-high-freq F]\n"
+           "                    [--longrope-short F,F,...] [--longrope-long F,F,...]\n";
+}
+
+/// The RoPE options' cross-argument rules (see parse).
+inline void check_rope(const options& o) {
+    const rope_options& r = o.rope;
+    const std::string& sc = r.scaling;
+    const std::string named = sc.empty() ? std::string("none (no --rope-scaling)") : sc;
+    auto only_for = [&](bool given, const char* arg, bool allowed, const char* which) {
+        if (given && !allowed)
+            throw cli_error(std::string(arg) + " applies to --rope-scaling " + which + " only, not " + named);
+    };
+    only_for(r.factor > 0, "--rope-factor", sc == "linear" || sc == "yarn" || sc == "llama3", "linear, yarn or llama3");
+    only_for(r.orig_ctx > 0, "--rope-orig-ctx", sc == "yarn" || sc == "llama3" || sc == "longrope",
+             "yarn, llama3 or longrope");
+    only_for(r.beta_fast > 0, "--yarn-beta-fast", sc == "yarn", "yarn");
+    only_for(r.beta_slow > 0, "--yarn-beta-slow", sc == "yarn", "yarn");
+    only_for(r.ext_factor >= 0, "--yarn-ext-factor", sc == "yarn", "yarn");
+    only_for(r.low_freq > 0, "--llama3-low-freq", sc == "llama3", "llama3");
+    only_for(r.high_freq > 0, "--llama3-high-freq", sc == "llama3", "llama3");
+    only_for(!r.short_factors.empty(), "--longrope-short", sc == "longrope", "longrope");
+    only_for(!r.long_factors.empty(), "--longrope-long", sc == "longrope", "longrope");
+    if ((sc == "linear" || sc == "yarn" || sc == "llama3") && !(r.factor > 0))
+        throw cli_error("--rope-scaling " + sc + " needs --rope-factor F (the context extension factor)");
+    if ((sc == "yarn" || sc == "llama3" || sc == "longrope") && r.orig_ctx == 0)
+        throw cli_error("--rope-scaling " + sc + " needs --rope-orig-ctx N (original_max_position_embeddings)");
+    if (r.factor > 0 && o.rope_scale > 0)
+        throw cli_error("--rope-scale and --rope-factor both set the linear scaling; give one");
+    if (sc == "llama3" && r.factor < 1.0f)
+        throw cli_error("--rope-factor = " + std::to_string(r.factor) + ": must be >= 1 for llama3");
+    const kvcache::rope_yarn_params yd{};
+    const kvcache::rope_llama3_params ld{};
+    const float bf = r.beta_fast > 0 ? r.beta_fast : yd.beta_fast, bs = r.beta_slow > 0 ? r.beta_slow : yd.beta_slow;
+    if (sc == "yarn" && !(bf > bs))
+        throw cli_error("--yarn-beta-fast = " + std::to_string(bf) + ": must be > --yarn-beta-slow = " + std::to_string(bs));
+    const float lo = r.low_freq > 0 ? r.low_freq : ld.low_freq_factor, hi = r.high_freq > 0 ? r.high_freq : ld.high_freq_factor;
+    if (sc == "llama3" && !(hi > lo))
+        throw cli_error("--llama3-high-freq = " + std::to_string(hi) + ": must be > --llama3-low-freq = " + std::to_string(lo));
+    if (sc == "longrope") {
+        if (r.short_factors.empty() || r.long_factors.empty())
+            throw cli_error("--rope-scaling longrope needs --longrope-short and --longrope-long (n_rot / 2 factors each)");
+        if (r.short_factors.size() != r.long_factors.size())
+            throw cli_error("--longrope-short has " + std::to_string(r.short_factors.size()) +
+                            " factors but --longrope-long has " + std::to_string(r.long_factors.size()) +
+                            "; both need n_rot / 2");
+    }
+}
+
+/// Sets the RoPE fields the options name in `rope` (the others keep the model's): freq_base
+/// (--rope-base), freq_scale (--rope-scale, or 1 / --rope-factor for linear and yarn), ntk_alpha,
+/// attn_factor (default for yarn: rope_params::yarn_mscale(factor)), the scaling and its
+/// parameters. The model then validates the result against its head size (kvcache's own
+/// rope_params::validate, e.g. a LongRoPE table of the wrong length).
+inline void apply_rope(const options& o, kvcache::rope_params& rope) {
+    const rope_options& r = o.rope;
+    if (o.rope_base > 0) rope.freq_base = o.rope_base;
+    if (o.rope_scale > 0) rope.freq_scale = o.rope_scale;
+    if (r.ntk_alpha > 0) rope.ntk_alpha = r.ntk_alpha;
+    const std::string& sc = r.scaling;
+    if (sc == "none" || sc == "linear") {
+        rope.scaling = kvcache::rope_scaling::none;
+        if (sc == "linear") rope.freq_scale = 1.0f / r.factor;
+    } else if (sc == "yarn") {
+        rope.scaling = kvcache::rope_scaling::yarn;
+        rope.freq_scale = 1.0f / r.factor;
+        rope.attn_factor = kvcache::rope_params::yarn_mscale(r.factor);
+        if (r.beta_fast > 0) rope.yarn.beta_fast = r.beta_fast;
+        if (r.beta_slow > 0) rope.yarn.beta_slow = r.beta_slow;
+        if (r.ext_factor >= 0) rope.yarn.ext_factor = r.ext_factor;
+    } else if (sc == "llama3") {
+        rope.scaling = kvcache::rope_scaling::llama3;
+        rope.llama3.factor = r.factor;
+        if (r.low_freq > 0) rope.llama3.low_freq_factor = r.low_freq;
+        if (r.high_freq > 0) rope.llama3.high_freq_factor = r.high_freq;
+    } else if (sc == "longrope") {
+        rope.scaling = kvcache::rope_scaling::longrope;
+        rope.short_factors = kvcache::rope_factors(std::span<const float>(r.short_factors));
+        rope.long_factors = kvcache::rope_factors(std::span<const float>(r.long_factors));
+    }
+    if (r.orig_ctx > 0) rope.n_ctx_orig = r.orig_ctx;
+    if (r.attn_factor > 0) rope.attn_factor = r.attn_factor;
 }
 
 /// Parses argv. -h / --help returns at once with help set. --ttft / --context-shift / --self-extend select only the runs they name.
 /// Throws cli_error on an unknown argument, a missing value, a value that is not a number
-/// or out of range, --n-keep >= --ctx / 2, or --ga-w not a multiple of --ga-n.
+/// or out of range, --n-keep >= --ctx / 2, or --ga-w not a multiple of --ga-n; for RoPE: an
+/// unknown --rope-scaling, a parameter of a scaling not selected, a missing required one
+/// (--rope-factor for linear / yarn / llama3, --rope-orig-ctx for yarn / llama3 / longrope, both
+/// LongRoPE tables of one length), --rope-scale with --rope-factor, and the ordering rules
+/// (yarn beta_fast > beta_slow, llama3 high > low, llama3 factor >= 1).
 inline options parse(int argc, const char* const* argv) {
     using std::to_string;
     options o;
@@ -87,7 +196,47 @@ inline options parse(int argc, const char* const* argv) {
                 throw cli_error(a + " = " + v + (positive ? ": must be a finite number > 0" : ": must be a finite number >= 0"));
             return t;
         };
+        // Comma-separated finite floats > 0.
+        auto list = [&]() -> std::vector<float> {
+            const std::string v = value();
+            std::vector<float> out;
+            std::size_t at = 0;
+            while (true) {
+                const std::size_t comma = v.find(',', at);
+                const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+                char* end = nullptr;
+                const float t = std::strtof(item.c_str(), &end);
+                if (item.empty() || end == item.c_str() || *end != '\0' || !(t > 0.0f) || !(t < 1e30f))
+                    throw cli_error(a + " = " + v + ": item " + to_string(out.size()) + " (\"" + item +
+                                    "\") must be a finite number > 0 (a comma-separated list)");
+                out.push_back(t);
+                if (comma == std::string::npos) break;
+                at = comma + 1;
+            }
+            return out;
+        };
         if (a == "--json") o.json = value();
+        else if (a == "--rope-scaling") {
+            o.rope.scaling = value();
+            if (o.rope.scaling != "none" && o.rope.scaling != "linear" && o.rope.scaling != "yarn" &&
+                o.rope.scaling != "llama3" && o.rope.scaling != "longrope")
+                throw cli_error("--rope-scaling = " + o.rope.scaling + ": must be none, linear, yarn, llama3 or longrope");
+        }
+        else if (a == "--rope-factor") o.rope.factor = real(true);
+        else if (a == "--rope-orig-ctx") o.rope.orig_ctx = static_cast<std::uint32_t>(number(1, 1LL << 30));
+        else if (a == "--rope-attn-factor") o.rope.attn_factor = real(true);
+        else if (a == "--rope-ntk-alpha") o.rope.ntk_alpha = real(true);
+        else if (a == "--yarn-beta-fast") o.rope.beta_fast = real(true);
+        else if (a == "--yarn-beta-slow") o.rope.beta_slow = real(true);
+        else if (a == "--yarn-ext-factor") {
+            o.rope.ext_factor = real(false);
+            if (o.rope.ext_factor > 1.0f)
+                throw cli_error("--yarn-ext-factor = " + std::string(argv[i]) + ": must be in [0, 1]");
+        }
+        else if (a == "--llama3-low-freq") o.rope.low_freq = real(true);
+        else if (a == "--llama3-high-freq") o.rope.high_freq = real(true);
+        else if (a == "--longrope-short") o.rope.short_factors = list();
+        else if (a == "--longrope-long") o.rope.long_factors = list();
         else if (a == "--model") o.model = value();
         else if (a == "--tokenizer") o.tokenizer = value();
         else if (a == "--save-model") o.save_model = value();
@@ -115,6 +264,7 @@ inline options parse(int argc, const char* const* argv) {
         throw cli_error("--n-keep = " + to_string(o.n_keep) + ": must be smaller than --ctx / 2 = " + to_string(o.ctx / 2));
     if (o.ga_w % o.ga_n != 0)
         throw cli_error("--ga-w = " + to_string(o.ga_w) + ": must be a multiple of --ga-n = " + to_string(o.ga_n));
+    check_rope(o);
     return o;
 }
 

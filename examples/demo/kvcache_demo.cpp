@@ -69,10 +69,9 @@ int main(int argc, char** argv) {
             std::printf("kvcache_demo: loading llama2.c checkpoint %s ...\n", o.model.c_str());
             w = demo::load_llama2c(o.model);
         }
-        // RoPE: llama2.c files carry none; --rope-base / --rope-scale set the model's (every other
-        // field of kvcache::rope_params keeps its default; set it in w.config.rope here).
-        if (o.rope_base > 0) w.config.rope.freq_base = o.rope_base;
-        if (o.rope_scale > 0) w.config.rope.freq_scale = o.rope_scale;
+        // RoPE: llama2.c files carry none; --rope-base, --rope-scale, --rope-scaling and its
+        // parameters set the model's (demo::cli::apply_rope; w.config.validate() checks the result).
+        demo::cli::apply_rope(o, w.config.rope);
         w.config.validate();
         if (!o.save_model.empty()) demo::save_llama2c(w, o.save_model);
     } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
 // kvcache: the model shape a cache is built for, and its validation.
 #pragma once
 
+#include <array>    // M-RoPE sections
 #include <cmath>    // std::isfinite, std::log, std::sqrt
 #include <cstddef>  // std::size_t
 #include <cstdint>  // fixed-width integers
@@ -63,6 +64,7 @@ struct rope_yarn_params {
     float ext_factor = 1.0f;  ///< weight of the extrapolation ramp, in [0, 1] (llama.cpp yarn_ext_factor)
     float beta_fast = 32.0f;  ///< rotations where the ramp starts (pure extrapolation above)
     float beta_slow = 1.0f;   ///< rotations where it ends (pure interpolation below); < beta_fast
+    friend bool operator==(const rope_yarn_params&, const rope_yarn_params&) = default;
 };
 
 /// Llama 3.1+ frequency factors (rope.scaling == llama3; config.json "rope_type": "llama3").
@@ -70,6 +72,51 @@ struct rope_llama3_params {
     float factor = 8.0f;            ///< divisor of the low frequencies (>= 1)
     float low_freq_factor = 1.0f;   ///< wavelengths above n_ctx_orig / low_freq_factor get `factor`
     float high_freq_factor = 4.0f;  ///< wavelengths below n_ctx_orig / high_freq_factor keep 1 (> low)
+    friend bool operator==(const rope_llama3_params&, const rope_llama3_params&) = default;
+};
+
+/// M-RoPE extra position components of one token (Qwen2-VL / Qwen2.5-VL; llama.cpp's
+/// per-cell "ext" positions): height, width and llama.cpp's fourth "extra" component. The
+/// temporal component is the token's ordinary position. Text tokens of Qwen2-VL use
+/// h = w = the position, e = 0; image tokens their patch row / column offsets.
+struct mrope_pos {
+    pos_t h = 0;  ///< height position (section 1)
+    pos_t w = 0;  ///< width position (section 2)
+    pos_t e = 0;  ///< extra position (section 3; 0 for text models)
+    friend bool operator==(const mrope_pos&, const mrope_pos&) = default;
+};
+
+/// M-RoPE sections (llama.cpp rope_sections / HF mrope_section, in pairs): pair i's angle
+/// uses component c(i) of the token's positions (0 = temporal, 1 = height, 2 = width,
+/// 3 = extra), all with the pair's usual frequency w_i. With S = the sum of the sections and
+/// k = i mod S: contiguous (Qwen2-VL "mrope"): c = 0 for k < s0, 1 below s0 + s1, 2 below
+/// s0 + s1 + s2, else 3; interleaved (Qwen3-VL "imrope"): c = 1 if k mod 3 = 1 and k < 3 s1,
+/// 2 if k mod 3 = 2 and k < 3 s2, 0 if k mod 3 = 0 and k < 3 s0, else 3.
+/// All four sections 0 (the default) means M-RoPE is off.
+struct rope_mrope_params {
+    std::array<std::uint32_t, 4> sections{};  ///< pairs per component t, h, w, e
+    bool interleaved = false;                 ///< Qwen3-VL interleaved layout ("imrope")
+
+    [[nodiscard]] std::uint64_t total() const noexcept {
+        return std::uint64_t{sections[0]} + sections[1] + sections[2] + sections[3];
+    }
+    /// Whether M-RoPE is on (some section nonzero).
+    [[nodiscard]] bool on() const noexcept { return total() != 0; }
+    /// Which position component (0 t, 1 h, 2 w, 3 e) drives pair i. Call only when on().
+    [[nodiscard]] std::uint32_t component(std::uint32_t pair) const noexcept {
+        const auto k = static_cast<std::uint64_t>(pair) % total();
+        if (interleaved) {
+            if (k % 3 == 1 && k < 3ull * sections[1]) return 1;
+            if (k % 3 == 2 && k < 3ull * sections[2]) return 2;
+            if (k % 3 == 0 && k < 3ull * sections[0]) return 0;
+            return 3;
+        }
+        if (k < sections[0]) return 0;
+        if (k < std::uint64_t{sections[0]} + sections[1]) return 1;
+        if (k < std::uint64_t{sections[0]} + sections[1] + sections[2]) return 2;
+        return 3;
+    }
+    friend bool operator==(const rope_mrope_params&, const rope_mrope_params&) = default;
 };
 
 /// RoPE parameters. Pair i of n = n_rot rotated dimensions turns by theta_i(p) = p * w_i with
@@ -83,6 +130,10 @@ struct rope_llama3_params {
 /// never does (a shift composes rotations: R(d) R(p) = R(p + d), the magnitude is already in K).
 /// LongRoPE picks its table per position: long_factors from p >= n_ctx_orig on, so a K-shift
 /// is exact only between positions on the same side; moves across are refused.
+/// M-RoPE (mrope.on()): pair i's angle is p_c * w_i with p_c the component mrope.component(i)
+/// of the token's positions (t = the position, then the cell's mrope_pos h, w, e). The
+/// K-shift, seq_add and seq_div move the temporal component only: the pairs of the other
+/// sections keep their angle (llama.cpp refuses such shifts instead).
 /// Fields of a scaling not selected are ignored (and left out of state fingerprints).
 struct rope_params {
     rope_type type = rope_type::normal;
@@ -98,6 +149,10 @@ struct rope_params {
     rope_factors freq_factors{};   ///< none / yarn: optional per-pair divisors (llama.cpp rope_freqs)
     rope_factors short_factors{};  ///< longrope: divisors for positions below n_ctx_orig
     rope_factors long_factors{};   ///< longrope: divisors for positions from n_ctx_orig on
+    rope_mrope_params mrope{};     ///< M-RoPE sections (off by default)
+
+    /// Field by field (float fields compared exactly; tables by value).
+    friend bool operator==(const rope_params&, const rope_params&) = default;
 
     /// YaRN's default magnitude for a context extension `factor` (= 1 / freq_scale):
     /// 0.1 ln(factor) + 1, or 1 when factor <= 1 (HF get_mscale).
@@ -121,7 +176,8 @@ struct rope_params {
     }
     /// Whether anything beyond type, freq_base, freq_scale and n_rot is in use.
     [[nodiscard]] bool extended() const noexcept {
-        return ntk_alpha != 1.0f || attn_factor != 1.0f || scaling != rope_scaling::none || !freq_factors.empty();
+        return ntk_alpha != 1.0f || attn_factor != 1.0f || scaling != rope_scaling::none || !freq_factors.empty() ||
+               mrope.on();
     }
 
     /// Throws kvcache::error(code) naming `prefix` + the first bad field and its value;
@@ -199,6 +255,14 @@ struct rope_params {
         const bool lr = scaling == rope_scaling::longrope;
         table("short_factors", short_factors, lr);
         table("long_factors", long_factors, lr);
+        if (mrope.on()) {
+            if (mrope.total() > n / 2)
+                bad("mrope.sections", std::to_string(mrope.total()) + " pairs in all",
+                    "must not exceed n_rot / 2 = " + to_string(n / 2));
+            if (lr)
+                bad("mrope.sections", std::to_string(mrope.total()) + " pairs in all",
+                    "M-RoPE with scaling longrope is not supported (which position picks the table?)");
+        }
     }
 };
 

@@ -107,3 +107,80 @@ TEST_CASE("cli: bad arguments name the argument, the value and the rule") {
     refused({"--ga-n", "3"}, "--ga-w = 128: must be a multiple of --ga-n = 3");
     CHECK(std::string(demo::cli::usage_text()).find("usage: kvcache_demo") == 0);
 }
+
+TEST_CASE("cli: RoPE scaling flags set every field of kvcache::rope_params") {
+    CHECK(parse({}).rope.scaling.empty());
+    auto applied = [](std::initializer_list<const char*> args) {
+        kvcache::rope_params r;
+        demo::cli::apply_rope(parse(args), r);
+        return r;
+    };
+    const auto none = applied({});
+    CHECK(none == kvcache::rope_params{});
+    const auto lin = applied({"--rope-scaling", "linear", "--rope-factor", "4", "--rope-base", "500000"});
+    CHECK(lin.scaling == kvcache::rope_scaling::none);
+    CHECK(lin.freq_scale == 0.25f);
+    CHECK(lin.freq_base == 500000.0f);
+    const auto yarn = applied({"--rope-scaling", "yarn", "--rope-factor", "4", "--rope-orig-ctx", "32768",
+                               "--yarn-beta-fast", "16", "--yarn-beta-slow", "2", "--yarn-ext-factor", "0.5"});
+    CHECK(yarn.scaling == kvcache::rope_scaling::yarn);
+    CHECK(yarn.freq_scale == 0.25f);
+    CHECK(yarn.n_ctx_orig == 32768);
+    CHECK(yarn.yarn.beta_fast == 16.0f);
+    CHECK(yarn.yarn.beta_slow == 2.0f);
+    CHECK(yarn.yarn.ext_factor == 0.5f);
+    CHECK(yarn.attn_factor == kvcache::rope_params::yarn_mscale(4.0f));  // YaRN's default magnitude
+    CHECK(applied({"--rope-scaling", "yarn", "--rope-factor", "4", "--rope-orig-ctx", "8", "--rope-attn-factor", "1.5"})
+              .attn_factor == 1.5f);
+    const auto l3 = applied({"--rope-scaling", "llama3", "--rope-factor", "32", "--rope-orig-ctx", "8192",
+                             "--llama3-low-freq", "1", "--llama3-high-freq", "4", "--rope-ntk-alpha", "2"});
+    CHECK(l3.scaling == kvcache::rope_scaling::llama3);
+    CHECK(l3.llama3.factor == 32.0f);
+    CHECK(l3.llama3.high_freq_factor == 4.0f);
+    CHECK(l3.freq_scale == 1.0f);
+    CHECK(l3.ntk_alpha == 2.0f);
+    const auto lr = applied({"--rope-scaling", "longrope", "--rope-orig-ctx", "4096", "--longrope-short", "1,1.5,2",
+                             "--longrope-long", "2,3,4.5"});
+    CHECK(lr.scaling == kvcache::rope_scaling::longrope);
+    CHECK(lr.short_factors == kvcache::rope_factors{1.0f, 1.5f, 2.0f});
+    CHECK(lr.long_factors == kvcache::rope_factors{2.0f, 3.0f, 4.5f});
+    lr.validate(6);  // the library accepts what the flags built (3 pairs)
+    CHECK_THROWS_AS(lr.validate(8), kvcache::error);  // 4 pairs: the model's own validation refuses
+    CHECK(std::string(demo::cli::usage_text()).find("--rope-scaling none|linear|yarn|llama3|longrope") !=
+          std::string::npos);
+}
+
+TEST_CASE("cli: bad RoPE scaling flags are refused, naming the flag and the rule") {
+    using demo::cli::cli_error;
+    auto refused = [](std::initializer_list<const char*> args, const char* what) {
+        CAPTURE(what);
+        CHECK_THROWS_WITH_AS(parse(args), doctest::Contains(what), cli_error);
+    };
+    refused({"--rope-scaling", "ntk"}, "--rope-scaling = ntk: must be none, linear, yarn, llama3 or longrope");
+    refused({"--rope-scaling"}, "--rope-scaling needs a value");
+    refused({"--rope-scaling", "linear"}, "--rope-scaling linear needs --rope-factor");
+    refused({"--rope-scaling", "yarn", "--rope-factor", "4"}, "--rope-scaling yarn needs --rope-orig-ctx");
+    refused({"--rope-scaling", "llama3", "--rope-orig-ctx", "8192"}, "--rope-scaling llama3 needs --rope-factor");
+    refused({"--rope-scaling", "longrope", "--rope-orig-ctx", "4096"}, "needs --longrope-short and --longrope-long");
+    refused({"--rope-factor", "4"}, "--rope-factor applies to --rope-scaling linear, yarn or llama3 only, not none");
+    refused({"--rope-scaling", "llama3", "--rope-factor", "8", "--rope-orig-ctx", "8", "--yarn-beta-fast", "8"},
+            "--yarn-beta-fast applies to --rope-scaling yarn only, not llama3");
+    refused({"--rope-scaling", "linear", "--rope-factor", "2", "--rope-orig-ctx", "8"},
+            "--rope-orig-ctx applies to --rope-scaling yarn, llama3 or longrope only");
+    refused({"--longrope-long", "1,2"}, "--longrope-long applies to --rope-scaling longrope only");
+    refused({"--rope-scaling", "linear", "--rope-factor", "2", "--rope-scale", "0.5"},
+            "--rope-scale and --rope-factor both set the linear scaling");
+    refused({"--rope-scaling", "yarn", "--rope-factor", "4", "--rope-orig-ctx", "8", "--yarn-beta-fast", "1"},
+            "--yarn-beta-fast = 1.000000: must be > --yarn-beta-slow = 1.000000");
+    refused({"--rope-scaling", "llama3", "--rope-factor", "0.5", "--rope-orig-ctx", "8"}, "must be >= 1 for llama3");
+    refused({"--rope-scaling", "llama3", "--rope-factor", "8", "--rope-orig-ctx", "8", "--llama3-high-freq", "0.5"},
+            "--llama3-high-freq = 0.500000: must be > --llama3-low-freq = 1.000000");
+    refused({"--rope-scaling", "longrope", "--rope-orig-ctx", "8", "--longrope-short", "1,2", "--longrope-long", "1"},
+            "--longrope-short has 2 factors but --longrope-long has 1");
+    refused({"--longrope-short", "1,,2"}, "--longrope-short = 1,,2: item 1 (\"\") must be a finite number > 0");
+    refused({"--longrope-short", "1,-2"}, "item 1 (\"-2\")");
+    refused({"--rope-orig-ctx", "0"}, "--rope-orig-ctx = 0: must be an integer in [1, 1073741824]");
+    refused({"--yarn-ext-factor", "2"}, "--yarn-ext-factor = 2: must be in [0, 1]");
+    refused({"--rope-factor", "nan"}, "--rope-factor = nan: must be a finite number > 0");
+    refused({"--rope-attn-factor", "0"}, "--rope-attn-factor = 0: must be a finite number > 0");
+}

@@ -295,6 +295,52 @@ TEST_CASE("K-shift check: the library's K-shift passes it, a skipped rotation fa
     }
 }
 
+TEST_CASE("K-shift check: every RoPE variant of the shape (YaRN, llama3, LongRoPE, NTK, partial) is checked exactly") {
+    std::vector<kvcache::rope_params> variants;
+    kvcache::rope_params yarn;
+    yarn.type = kvcache::rope_type::neox;
+    yarn.scaling = kvcache::rope_scaling::yarn;
+    yarn.freq_scale = 0.25f;
+    yarn.n_ctx_orig = 32;
+    yarn.attn_factor = kvcache::rope_params::yarn_mscale(4.0f);
+    variants.push_back(yarn);
+    kvcache::rope_params llama3;
+    llama3.scaling = kvcache::rope_scaling::llama3;
+    llama3.n_ctx_orig = 16;
+    llama3.ntk_alpha = 2.0f;
+    variants.push_back(llama3);
+    kvcache::rope_params longrope;
+    longrope.scaling = kvcache::rope_scaling::longrope;
+    longrope.n_ctx_orig = 8;  // every key on the long side: moves stay exact
+    longrope.n_rot = 6;
+    longrope.short_factors = {1.0f, 1.5f, 2.0f};
+    longrope.long_factors = {1.0f, 3.0f, 9.0f};
+    variants.push_back(longrope);
+    for (const kvcache::rope_params& rope : variants) {
+        CAPTURE(static_cast<int>(rope.scaling));
+        kvcache::model_shape sh = shape(64);
+        sh.head_dim_k = 8;
+        kvcache::model_shape plain_sh = sh;
+        sh.rope = rope;
+        cache_t c(sh), plain(plain_sh);
+        demo::splitmix64 rng(5), rng2(5);
+        append(c, 0, 10, 40, &rng);
+        append(plain, 0, 10, 40, &rng2);
+        const auto before = demo::snapshot_k(c, 0, 0, 64);
+        const auto before_plain = demo::snapshot_k(plain, 0, 0, 64);
+        for (cache_t* x : {&c, &plain}) {
+            REQUIRE(x->seq_add(0, 30, -1, 1000));
+            kvcache::ops::apply_k_shift(*x);
+        }
+        const demo::k_shift_report r = demo::check_k_shift(c, 0, before);
+        CHECK(r.n_moved == 20);
+        CHECK(r.max_error <= 1e-6);
+        CHECK(demo::check_k_shift(plain, 0, before_plain).max_error <= 1e-6);
+        // Not blind to the variant: the same K moved by the same delta differs from plain RoPE's.
+        CHECK_FALSE(same_cells(c, plain));
+    }
+}
+
 namespace {
 
 /// The chunk-reuse scenario on a plain cache: [sys][old][doc] cached, [sys][doc][question]

@@ -121,7 +121,9 @@ TEST_CASE("magic, version, kind, flags and trailing bytes") {
     expect_refused(b, false, errc::unsupported, "use load_state");
     expect_refused(io::save_seq(c, 0), true, errc::unsupported, "use load_seq");
     expect_refused(patched<std::uint32_t>(b, off::kind, 7), true, errc::unsupported, "kind 7");
-    expect_refused(patched<std::uint32_t>(b, off::flags, 2), true, errc::unsupported, "only bit 0");
+    expect_refused(patched<std::uint32_t>(b, off::flags, 4), true, errc::unsupported, "only bit 0");
+    // Bit 1 (M-RoPE positions) on a state of a cache without M-RoPE sections.
+    expect_refused(patched<std::uint32_t>(b, off::flags, 2), true, errc::invalid_cell, "rope.mrope has no sections");
     expect_refused(patched<std::uint32_t>(b, off::flags, 0x80000001u), true, errc::unsupported, "flags");
     expect_refused(patched<std::uint32_t>(b, off::rope_ext, 1), true, errc::shape_mismatch, "rope scaling word");
     auto x = b;

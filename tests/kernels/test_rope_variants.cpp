@@ -573,3 +573,364 @@ TEST_CASE("rope variants: a state saved with one RoPE scaling is refused by a ca
         CHECK(io::load_state(*dst, io::save_state(*make(saved))));
     }
 }
+
+// ---------------------------------------------------------------- M-RoPE (Qwen2-VL)
+
+namespace {
+
+// M-RoPE variants: Qwen2-VL / Qwen2.5-VL (contiguous sections 16, 24, 24 of 64 pairs,
+// NeoX, base 1e6), Qwen3-VL (interleaved 24, 20, 20), and one with all four sections
+// summing to less than the pairs (the pattern repeats), GPT-J pairing, partial rotary
+// dims and YaRN on top.
+std::vector<variant> mrope_variants() {
+    std::vector<variant> out;
+    rope_params q2;
+    q2.type = rope_type::neox;
+    q2.freq_base = 1000000.0f;
+    q2.mrope.sections = {16, 24, 24, 0};
+    out.push_back({"qwen2-vl", q2, 128});
+    rope_params q3 = q2;
+    q3.freq_base = 5000000.0f;
+    q3.mrope.sections = {24, 20, 20, 0};
+    q3.mrope.interleaved = true;
+    out.push_back({"qwen3-vl interleaved", q3, 128});
+    rope_params odd;
+    odd.type = rope_type::normal;
+    odd.n_rot = 24;
+    odd.mrope.sections = {2, 1, 2, 1};  // 6 of 12 pairs: repeats twice
+    odd.scaling = rope_scaling::yarn;
+    odd.freq_scale = 0.25f;
+    odd.n_ctx_orig = 4096;
+    odd.attn_factor = rope_params::yarn_mscale(4.0f);
+    out.push_back({"4 sections repeated, normal, partial, yarn", odd, 32});
+    rope_params odd_i = odd;
+    odd_i.mrope.interleaved = true;
+    odd_i.mrope.sections = {1, 2, 1, 2};
+    out.push_back({"interleaved with extra slots", odd_i, 32});
+    return out;
+}
+
+std::vector<kvcache::mrope_pos> mrope_random_ext(std::size_t n, std::mt19937& rng) {
+    std::uniform_int_distribution<pos_t> u(0, pos_max);
+    std::vector<kvcache::mrope_pos> e(n);
+    for (auto& x : e) x = {u(rng), u(rng) % 1000, u(rng) % 3 == 0 ? 0 : u(rng)};
+    return e;
+}
+
+}  // namespace
+
+TEST_CASE("M-RoPE: section components are llama.cpp's (fixed facts)") {
+    kvcache::rope_mrope_params q2;
+    q2.sections = {16, 24, 24, 0};  // Qwen2-VL: pairs 0..15 t, 16..39 h, 40..63 w
+    CHECK(q2.component(0) == 0);
+    CHECK(q2.component(15) == 0);
+    CHECK(q2.component(16) == 1);
+    CHECK(q2.component(39) == 1);
+    CHECK(q2.component(40) == 2);
+    CHECK(q2.component(63) == 2);
+    kvcache::rope_mrope_params q3;
+    q3.sections = {24, 20, 20, 0};  // Qwen3-VL imrope: t h w t h w ... up to 3 * 20, then t / extra
+    q3.interleaved = true;
+    CHECK(q3.component(0) == 0);
+    CHECK(q3.component(1) == 1);
+    CHECK(q3.component(2) == 2);
+    CHECK(q3.component(57) == 0);
+    CHECK(q3.component(58) == 1);
+    CHECK(q3.component(59) == 2);
+    CHECK(q3.component(60) == 0);
+    CHECK(q3.component(61) == 3);  // llama.cpp: neither h (61 >= 60) nor t (61 % 3 != 0)
+    CHECK_FALSE(kvcache::rope_mrope_params{}.on());
+    for (const auto& v : mrope_variants()) {  // the library's rule and the oracle's pattern agree
+        CAPTURE(v.name);
+        const std::uint32_t n_pairs = (v.rope.n_rot == 0 ? v.dk : v.rope.n_rot) / 2;
+        const auto comp = ref::mrope_components(v.rope.mrope, n_pairs);
+        for (std::uint32_t i = 0; i < n_pairs; ++i) CHECK(static_cast<int>(v.rope.mrope.component(i)) == comp[i]);
+    }
+}
+
+TEST_CASE("M-RoPE: rope_rows matches the float64 M-RoPE formula, up to 2^31 - 1") {
+    std::mt19937 rng(777);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::uniform_int_distribution<pos_t> upos(0, pos_max);
+    for (const auto& v : mrope_variants()) {
+        CAPTURE(v.name);
+        const std::size_t n_rows = 9;
+        const std::uint32_t n_head = 2;
+        std::vector<pos_t> pos(n_rows);
+        for (auto& p : pos) p = upos(rng);
+        pos[0] = pos_max;
+        auto ext = mrope_random_ext(n_rows, rng);
+        ext[1] = {pos_max, 0, pos_max};
+        std::vector<float> x(n_rows * n_head * v.dk);
+        for (auto& e : x) e = nd(rng);
+        std::vector<float> y = x;
+        kvcache::ops::rope_rows(y.data(), n_rows, n_head, v.dk, pos.data(), ext.data(), v.rope);
+        std::vector<double> want;
+        for (std::size_t r = 0; r < n_rows; ++r)
+            for (std::uint32_t h = 0; h < n_head; ++h) {
+                const std::int64_t p4[4] = {pos[r], ext[r].h, ext[r].w, ext[r].e};
+                const auto o = ref::mrope_variant_head(head_of(x, r * n_head + h, v.dk), p4, v.rope);
+                want.insert(want.end(), o.begin(), o.end());
+            }
+        CHECK(rel_l1(y, want) <= 1e-6);
+        // Not blind: equal positions give plain RoPE at that position; different ones do not.
+        std::vector<kvcache::mrope_pos> same(n_rows);
+        for (std::size_t r = 0; r < n_rows; ++r) same[r] = {pos[r], pos[r], pos[r]};
+        std::vector<float> a = x, b = x;
+        kvcache::ops::rope_rows(a.data(), n_rows, n_head, v.dk, pos.data(), same.data(), v.rope);
+        rope_params plain = v.rope;
+        plain.mrope = {};
+        kvcache::ops::rope_rows(b.data(), n_rows, n_head, v.dk, pos.data(), plain);
+        CHECK(a == b);
+        CHECK(y != b);
+    }
+}
+
+TEST_CASE("M-RoPE: the K-shift moves the temporal sections only (R(p + d) = R(d) R(p) on t; h, w, e kept)") {
+    std::mt19937 rng(4242);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (const auto& v : mrope_variants()) {
+        CAPTURE(v.name);
+        kvcache::model_shape s;
+        s.n_layer = 1;
+        s.n_head_kv = 2;
+        s.head_dim_k = v.dk;
+        s.rope = v.rope;
+        s.n_cells = 64;
+        kvcache::kv_cache<kvcache::f32> cache(s);
+        const pos_t up = pos_max - 200;
+        std::vector<pos_t> pos, now;
+        for (pos_t i = 0; i < 20; ++i) {  // moved up to just below 2^31 - 1
+            pos.push_back(100 + i);
+            now.push_back(100 + i + up);
+        }
+        for (pos_t i = 0; i < 20; ++i) {  // divided (Self-Extend): 1000..1019 / 3
+            pos.push_back(1000 + i);
+            now.push_back((1000 + i) / 3);
+        }
+        const auto n = static_cast<std::uint32_t>(pos.size());
+        const auto ext = mrope_random_ext(n, rng);
+        std::vector<float> x(std::size_t{n} * s.k_row_size());
+        for (auto& e : x) e = nd(rng);
+        std::vector<seq_id_t> seq(n, 0);
+        auto pl = cache.place(pos, seq, ext).value();
+        std::vector<float> k = x;
+        kvcache::ops::rope_rows(k.data(), n, s.n_head_kv, s.head_dim_k, pos.data(), ext.data(), s.rope);
+        cache.write_k(0, pl.cells, k.data());
+        cache.write_v(0, pl.cells, k.data());
+        static_cast<void>(cache.commit());
+        REQUIRE(cache.seq_add(0, 100, 120, up));
+        REQUIRE(cache.seq_div(0, 1000, 1020, 3));
+        kvcache::ops::apply_k_shift(cache);
+        CHECK_FALSE(cache.has_shift());
+        std::vector<float> got(k.size());
+        for (std::uint32_t i = 0; i < n; ++i) {
+            CHECK(cache.cells().ext(pl.cells[i]) == ext[i]);  // extra positions never move
+            CHECK(cache.cells().pos(pl.cells[i]) == now[i]);
+            cache.read_k(0, pl.cells[i], got.data() + std::size_t{i} * s.k_row_size());
+        }
+        std::vector<double> want;
+        for (std::uint32_t c = 0; c < n; ++c)
+            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
+                const std::int64_t p4[4] = {now[c], ext[c].h, ext[c].w, ext[c].e};
+                const auto o = ref::mrope_variant_head(head_of(x, c * s.n_head_kv + h, v.dk), p4, s.rope);
+                want.insert(want.end(), o.begin(), o.end());
+            }
+        CHECK(rel_l1(got, want) <= 2e-6);
+        // The pairs of the h / w / e sections are bit-identical to the K as written.
+        const std::uint32_t n_pairs = s.n_rot() / 2;
+        for (std::uint32_t r = 0; r < n * s.n_head_kv; ++r)
+            for (std::uint32_t i = 0; i < n_pairs; ++i) {
+                if (s.rope.mrope.component(i) == 0) continue;
+                const std::size_t d0 = s.rope.type == rope_type::normal ? 2 * i : i;
+                const std::size_t d1 = s.rope.type == rope_type::normal ? 2 * i + 1 : i + n_pairs;
+                CHECK(got[r * v.dk + d0] == k[r * v.dk + d0]);
+                CHECK(got[r * v.dk + d1] == k[r * v.dk + d1]);
+            }
+    }
+}
+
+TEST_CASE("M-RoPE: extra positions stay with their cells through sequence ops, defrag, restore and states") {
+    namespace io = kvcache::io;
+    kvcache::model_shape s;
+    s.n_layer = 2;
+    s.n_head_kv = 1;
+    s.head_dim_k = 16;
+    s.rope.type = rope_type::neox;
+    s.rope.mrope.sections = {2, 3, 3, 0};
+    s.n_cells = 40;
+    s.n_seq_max = 3;
+    kvcache::kv_cache<kvcache::f32> cache(s);
+    std::mt19937 rng(9);
+    // Each token's extra positions derive from its position: every check below can name
+    // the expected value of any cell from its (position, sequence).
+    auto ext_of = [](pos_t p, seq_id_t q) { return kvcache::mrope_pos{p * 3 + q, p + 1000 * q, q == 1 ? 7 : 0}; };
+    auto place = [&](seq_id_t q, pos_t p0, pos_t n) {
+        std::vector<pos_t> pos;
+        std::vector<seq_id_t> seq;
+        std::vector<kvcache::mrope_pos> ext;
+        for (pos_t p = p0; p < p0 + n; ++p) {
+            pos.push_back(p);
+            seq.push_back(q);
+            ext.push_back(ext_of(p, q));
+        }
+        auto pl = cache.place(pos, seq, ext).value();
+        std::vector<float> k(pos.size() * 16);
+        for (auto& e : k) e = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+        for (std::uint32_t l = 0; l < 2; ++l) {
+            cache.write_k(l, pl.cells, k.data());
+            cache.write_v(l, pl.cells, k.data());
+        }
+        static_cast<void>(cache.commit());
+    };
+    // origin[q]: the sequence whose placement made q's cells (seq_cp copies keep it).
+    auto check_all = [&](const auto& c, const std::vector<seq_id_t>& origin, pos_t moved_from, pos_t delta) {
+        const auto& ct = c.cells();
+        for (std::uint32_t i = 0; i < ct.size(); ++i) {
+            if (ct.is_free(i)) {
+                CHECK(ct.ext(i) == kvcache::mrope_pos{});
+                continue;
+            }
+            seq_id_t first = -1;
+            ct.seqs(i).for_each([&](seq_id_t t) { first = first < 0 ? t : first; });
+            const seq_id_t q = origin[static_cast<std::size_t>(first)];
+            const pos_t p = ct.pos(i) >= moved_from ? ct.pos(i) - delta : ct.pos(i);  // where it was placed
+            CHECK(ct.ext(i) == ext_of(p, q));
+        }
+    };
+    place(0, 0, 10);
+    place(1, 0, 8);
+    std::vector<seq_id_t> origin = {0, 1, 0};
+    check_all(cache, origin, pos_max, 0);
+    REQUIRE(cache.seq_cp(0, 2, 0, -1));  // 2 shares 0's cells
+    REQUIRE(cache.seq_rm(1, 2, 5));      // holes in 1
+    REQUIRE(cache.seq_add(2, 5, -1, 20));  // splits shared cells: 2's copies keep the extra positions
+    check_all(cache, origin, 25, 20);
+    // A staged placement restored, and a refused one, leave every extra position as it was.
+    const auto before = kvtest::snapshot(cache);
+    {
+        std::vector<pos_t> pos = {50};
+        std::vector<seq_id_t> seq = {0};
+        std::vector<kvcache::mrope_pos> ext = {{1, 2, 3}};
+        REQUIRE(cache.place(pos, seq, ext));
+        CHECK(cache.restore() == kvcache::tx_result::restored);
+    }
+    CHECK(kvtest::snapshot(cache) == before);
+    // Defragmentation moves cells and their extra positions together.
+    REQUIRE(cache.seq_rm(1, 0, 2));  // holes below used cells
+    const auto res = kvcache::ops::defrag(cache, {.threshold = 0.0f, .min_cells = 0});
+    CHECK(res.moves > 0);
+    check_all(cache, origin, 25, 20);
+    kvcache::ops::apply_k_shift(cache);
+    // State round trip (whole cache and one sequence).
+    const auto bytes = io::save_state(cache);
+    CHECK((io::detail::load_le<std::uint32_t>(bytes.data() + io::detail::off::flags) & io::state_flag_mrope) != 0);
+    kvcache::kv_cache<kvcache::f32> back(s);
+    REQUIRE(io::load_state(back, bytes));
+    check_all(back, origin, 25, 20);
+    CHECK(io::save_state(back) == bytes);
+    const auto seq1 = io::save_seq(cache, 1);
+    kvcache::kv_cache<kvcache::f32> one(s);
+    REQUIRE(io::load_seq(one, 0, seq1));
+    std::vector<seq_id_t> origin1 = {1, 1, 1};
+    check_all(one, origin1, pos_max, 0);
+    {  // the prompt cache's copy_store keeps them too
+        kvcache::copy_store<kvcache::kv_cache<kvcache::f32>> store;
+        auto h = store.save(cache, 1).value();
+        CHECK(h.ext.size() == h.pos.size());
+        kvcache::kv_cache<kvcache::f32> copy(s);
+        REQUIRE(store.load(copy, 0, h));
+        check_all(copy, origin1, pos_max, 0);
+        h.ext.pop_back();  // malformed entry: refused, nothing placed
+        kvcache::kv_cache<kvcache::f32> bad(s);
+        CHECK(kvtest::refused_with(store.load(bad, 0, h), kvcache::errc::shape_mismatch));
+        CHECK(bad.used() == 0);
+    }
+    cache.seq_keep(2);
+    check_all(cache, origin, 25, 20);
+    CHECK(cache.used() == 10);
+}
+
+TEST_CASE("M-RoPE: bad inputs are refused with a clear error and change nothing") {
+    namespace io = kvcache::io;
+    kvcache::model_shape s;
+    s.n_layer = 1;
+    s.n_head_kv = 1;
+    s.head_dim_k = 16;
+    s.rope.mrope.sections = {2, 3, 3, 0};
+    s.n_cells = 8;
+    kvcache::model_shape plain_shape = s;
+    plain_shape.rope.mrope = {};
+    kvcache::kv_cache<kvcache::f32> m(s), plain(plain_shape);
+    std::vector<pos_t> pos = {0, 1};
+    std::vector<seq_id_t> seq = {0, 0};
+    std::vector<kvcache::mrope_pos> ext = {{0, 0, 0}, {1, 1, 0}};
+    const auto m0 = kvtest::snapshot(m), p0 = kvtest::snapshot(plain);
+    expect_throw([&] { static_cast<void>(m.place(pos, seq)); }, kvcache::errc::invalid_argument,
+                 "M-RoPE sections (rope.mrope), so every token needs its extra positions");
+    expect_throw([&] { static_cast<void>(m.place(pos, seq, std::span(ext).first(1))); },
+                 kvcache::errc::invalid_argument, "ext has 1 entries for 2 tokens");
+    std::vector<kvcache::mrope_pos> negative = {{0, -1, 0}, {1, 1, 0}};
+    expect_throw([&] { static_cast<void>(m.place(pos, seq, negative)); }, kvcache::errc::invalid_argument,
+                 "ext[0] = (0, -1, 0)");
+    expect_throw([&] { static_cast<void>(plain.place(pos, seq, ext)); }, kvcache::errc::invalid_argument,
+                 "no M-RoPE sections");
+    CHECK(kvtest::snapshot(m) == m0);
+    CHECK(kvtest::snapshot(plain) == p0);
+    std::vector<float> x(32, 1.0f), x0 = x;
+    expect_throw([&] { kvcache::ops::rope_rows(x.data(), 2, 1, 16, pos.data(), s.rope); },
+                 kvcache::errc::invalid_argument, "pass each row's extra positions");
+    expect_throw([&] { kvcache::ops::rope_rows(x.data(), 2, 1, 16, pos.data(), ext.data(), plain_shape.rope); },
+                 kvcache::errc::invalid_argument, "rope.mrope has no sections");
+    expect_throw([&] { kvcache::ops::rope_rows(x.data(), 2, 1, 16, pos.data(), nullptr, s.rope); },
+                 kvcache::errc::invalid_argument, "ext is null");
+    CHECK(x == x0);
+    // Validation of the sections.
+    kvcache::model_shape wide = s;
+    wide.rope.mrope.sections = {4, 3, 2, 0};  // 9 > 8 pairs
+    expect_throw([&] { wide.validate(); }, kvcache::errc::invalid_config, "model_shape.rope.mrope.sections = 9");
+    kvcache::model_shape lr = s;
+    lr.rope.scaling = rope_scaling::longrope;
+    lr.rope.n_ctx_orig = 64;
+    lr.rope.short_factors = {1, 1, 1, 1, 1, 1, 1, 1};
+    lr.rope.long_factors = {2, 2, 2, 2, 2, 2, 2, 2};
+    expect_throw([&] { lr.validate(); }, kvcache::errc::invalid_config, "longrope is not supported");
+    // States: M-RoPE and plain caches refuse each other's states (the rope scaling word
+    // hashes the sections), and so do caches with other sections or layouts.
+    REQUIRE(m.place(pos, seq, ext));
+    static_cast<void>(m.commit());
+    REQUIRE(plain.place(pos, seq));
+    static_cast<void>(plain.commit());
+    const auto m_bytes = io::save_state(m), p_bytes = io::save_state(plain);
+    kvcache::model_shape other = s;
+    other.rope.mrope.sections = {3, 2, 3, 0};
+    kvcache::model_shape inter = s;
+    inter.rope.mrope.interleaved = true;
+    kvcache::kv_cache<kvcache::f32> c_other(other), c_inter(inter), c_plain(plain_shape), c_m(s);
+    for (auto* c : {&c_other, &c_inter}) {
+        const auto b = kvtest::snapshot(*c);
+        CHECK(kvtest::refused_with(io::load_state(*c, m_bytes), kvcache::errc::shape_mismatch, "rope scaling word"));
+        CHECK(kvtest::snapshot(*c) == b);
+    }
+    CHECK(kvtest::refused_with(io::load_state(c_plain, m_bytes), kvcache::errc::shape_mismatch, "rope scaling word"));
+    CHECK(kvtest::refused_with(io::load_state(c_m, p_bytes), kvcache::errc::shape_mismatch, "rope scaling word"));
+    // Bad bytes with a valid checksum: the M-RoPE flag cleared, a negative position.
+    auto reseal = [](std::vector<std::byte> b) {
+        io::detail::store_le<std::uint64_t>(b.data() + b.size() - 8,
+                                            io::checksum(std::span<const std::byte>(b).first(b.size() - 8)));
+        return b;
+    };
+    auto no_flag = m_bytes;
+    io::detail::store_le<std::uint32_t>(no_flag.data() + io::detail::off::flags, 0u);
+    const auto cm0 = kvtest::snapshot(c_m);
+    CHECK(kvtest::refused_with(io::load_state(c_m, reseal(no_flag)), kvcache::errc::invalid_cell, "flags bit 1 is clear"));
+    auto neg = m_bytes;
+    const std::size_t ext_at = io::state_header_size + 2 * 16;  // after two 16-byte cell records
+    CHECK(io::detail::load_le<std::int32_t>(neg.data() + ext_at + 12) == 1);  // cell 1's h
+    io::detail::store_le<std::int32_t>(neg.data() + ext_at + 12, -5);
+    CHECK(kvtest::refused_with(io::load_state(c_m, reseal(neg)), kvcache::errc::invalid_cell,
+                               "cell 1: M-RoPE positions (-5, 1, 0)"));
+    CHECK(kvtest::snapshot(c_m) == cm0);
+    REQUIRE(io::load_state(c_m, m_bytes));
+    CHECK(c_m.cells().ext(c_m.cells().first_used() + 1) == ext[1]);
+}

@@ -4,7 +4,11 @@
 
 #include <kvcache/kvcache.hpp>
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "memory/iswa_test_util.hpp"
@@ -95,4 +99,96 @@ TEST_CASE("iswa: the memory report sums both parts") {
     CHECK(m.held_bytes == f.held_bytes + s.held_bytes);
     CHECK(m.used_bytes == std::size_t{30} * c.full().bytes_per_token() + std::size_t{c.swa().used()} * c.swa().bytes_per_token());
     CHECK(m.held_bytes >= m.used_bytes);
+}
+
+TEST_CASE("iswa: Gemma 3 RoPE per layer group (local base 1e4, global base 1e6 with linear 8): K-shift and states") {
+    auto gemma3 = [](std::optional<rope_params> swa_rope) {
+        iswa_shape s = kvtest::iswa_test_shape(1);
+        s.shape.rope.type = rope_type::neox;
+        s.shape.rope.freq_base = 1000000.0f;
+        s.shape.rope.freq_scale = 0.125f;
+        s.swa_rope = swa_rope;
+        return s;
+    };
+    rope_params local;
+    local.type = rope_type::neox;
+    local.freq_base = 10000.0f;
+    const iswa_shape shape = gemma3(local);
+    iswa16 c(shape);
+    CHECK(c.rope(0) == local);  // layers 0 and 2 are SWA, 1 and 3 full (period 2)
+    CHECK(c.rope(1).freq_base == 1000000.0f);
+    CHECK(c.rope(1).freq_scale == 0.125f);
+    CHECK(c.swa().shape().rope == local);
+    const auto& sh = c.full().shape();
+    std::mt19937 rng(17);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<pos_t> pos(12);
+    for (pos_t i = 0; i < 12; ++i) pos[static_cast<std::size_t>(i)] = i;
+    std::vector<seq_id_t> seq(12, 0);
+    auto pl = c.place(pos, seq).value();
+    std::vector<std::vector<float>> x(c.n_layer());  // unrotated K per model layer
+    for (std::uint32_t l = 0; l < c.n_layer(); ++l) {
+        x[l].resize(12 * sh.k_row_size());
+        for (auto& e : x[l]) e = nd(rng);
+        std::vector<float> k = x[l];
+        ops::rope_rows(k.data(), 12, sh.n_head_kv, sh.head_dim_k, pos.data(), c.rope(l));
+        c.write_k(l, pl, k.data());
+        c.write_v(l, pl, k.data());
+    }
+    static_cast<void>(c.commit());
+    REQUIRE(c.seq_add(0, 4, -1, 3));  // 4..11 -> 7..14: within the window
+    ops::apply_k_shift(c);
+    std::vector<pos_t> now = pos;
+    for (std::size_t i = 4; i < 12; ++i) now[i] += 3;
+    for (std::uint32_t l = 0; l < c.n_layer(); ++l) {
+        CAPTURE(l);
+        std::vector<float> want = x[l], other = x[l];
+        ops::rope_rows(want.data(), 12, sh.n_head_kv, sh.head_dim_k, now.data(), c.rope(l));
+        ops::rope_rows(other.data(), 12, sh.n_head_kv, sh.head_dim_k, now.data(), c.rope(l ^ 1u));  // the other group's
+        const auto& cells = c.is_swa(l) ? pl.swa.cells : pl.full.cells;
+        double err = 0.0, err_other = 0.0;
+        std::vector<float> row(sh.k_row_size());
+        for (std::size_t i = 0; i < 12; ++i) {
+            if (c.is_swa(l))
+                c.swa().read_k(c.local_layer(l), cells[i], row.data());
+            else
+                c.full().read_k(c.local_layer(l), cells[i], row.data());
+            for (std::size_t d = 0; d < row.size(); ++d) {
+                err = std::max(err, static_cast<double>(std::abs(row[d] - want[i * row.size() + d])));
+                err_other = std::max(err_other, static_cast<double>(std::abs(row[d] - other[i * row.size() + d])));
+            }
+        }
+        CHECK(err <= 1e-5);
+        CHECK(err_other > 1e-2);  // the group's own RoPE matters
+    }
+    // States: the SWA part's fingerprint carries its RoPE.
+    const auto bytes = io::save_state(c);
+    iswa16 same(shape);
+    REQUIRE(io::load_state(same, bytes));
+    CHECK(io::save_state(same) == bytes);
+    for (const iswa_shape& other : {gemma3(std::nullopt), gemma3([] {
+                                        rope_params r;
+                                        r.type = rope_type::neox;
+                                        r.freq_base = 10000.0f;
+                                        r.freq_scale = 0.5f;
+                                        return r;
+                                    }())}) {
+        iswa16 d(other);
+        const auto before = kvtest::iswa_snap(d);
+        CHECK(kvtest::refused_with(io::load_state(d, bytes), errc::shape_mismatch));
+        CHECK(kvtest::iswa_snap(d) == before);
+    }
+    // A bad SWA RoPE is refused naming it.
+    rope_params odd = local;
+    odd.n_rot = 3;
+    try {
+        iswa16 bad(gemma3(odd));
+        FAIL("no exception");
+    } catch (const kvcache::error& e) {
+        CHECK(e.code() == errc::invalid_config);
+        CHECK(std::string(e.what()).find("iswa_shape.swa_rope.n_rot = 3") != std::string::npos);
+    }
+    rope_params mr = local;
+    mr.mrope.sections = {1, 1, 2, 0};
+    CHECK_THROWS_AS(iswa16(gemma3(mr)), kvcache::error);
 }

@@ -98,4 +98,47 @@ inline std::vector<double> rope_variant_head(const std::vector<double>& x, std::
     return y;
 }
 
+/// M-RoPE: which of the four positions (0 t, 1 h, 2 w, 3 e) drives each of the n / 2 pairs,
+/// built the other way round from the library: the section pattern is written out once
+/// (contiguous: s0 zeros, s1 ones, s2 twos, s3 threes; interleaved: every slot "extra",
+/// then t / h / w written at their stride-3 slots below 3 * s_k, as in llama.cpp's imrope)
+/// and tiled over the pairs.
+inline std::vector<int> mrope_components(const kvcache::rope_mrope_params& m, std::size_t n_pairs) {
+    std::vector<int> pattern;
+    const std::size_t total = std::size_t{m.sections[0]} + m.sections[1] + m.sections[2] + m.sections[3];
+    if (!m.interleaved) {
+        for (int k = 0; k < 4; ++k) pattern.insert(pattern.end(), m.sections[static_cast<std::size_t>(k)], k);
+    } else {
+        pattern.assign(total, 3);
+        for (int k = 2; k >= 0; --k)  // slots k, k + 3, ... below 3 * s_k
+            for (std::size_t j = static_cast<std::size_t>(k); j < total && j < 3 * std::size_t{m.sections[static_cast<std::size_t>(k)]}; j += 3)
+                pattern[j] = k;
+    }
+    std::vector<int> out(n_pairs);
+    for (std::size_t i = 0; i < n_pairs; ++i) out[i] = pattern[i % total];
+    return out;
+}
+
+/// One head rotated with M-RoPE to positions p4 = {t, h, w, e} (magnitude attn_factor on the
+/// rotated pairs when with_magnitude): pair i turns by p4[component i] * inv_freq[i].
+inline std::vector<double> mrope_variant_head(const std::vector<double>& x, const std::int64_t (&p4)[4],
+                                              const kvcache::rope_params& r, bool with_magnitude = true) {
+    const std::size_t dim = x.size();
+    const std::size_t n = r.n_rot == 0 ? dim : r.n_rot;
+    const auto inv = variant_inv_freq(r, dim, 0);
+    const auto comp = mrope_components(r.mrope, n / 2);
+    const ld m = with_magnitude ? static_cast<ld>(r.attn_factor) : 1.0L;
+    std::vector<double> y = x;
+    for (std::size_t i = 0; i < n / 2; ++i) {
+        ld a = static_cast<ld>(p4[comp[i]]) * inv[i];
+        a -= 2.0L * pi_ld * std::nearbyint(a / (2.0L * pi_ld));
+        const ld c = m * std::cos(a), s = m * std::sin(a);
+        const std::size_t d0 = r.type == kvcache::rope_type::normal ? 2 * i : i;
+        const std::size_t d1 = r.type == kvcache::rope_type::normal ? 2 * i + 1 : i + n / 2;
+        y[d0] = static_cast<double>(x[d0] * c - x[d1] * s);
+        y[d1] = static_cast<double>(x[d0] * s + x[d1] * c);
+    }
+    return y;
+}
+
 }  // namespace ref

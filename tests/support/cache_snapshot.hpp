@@ -15,6 +15,7 @@ struct cache_snapshot {
     std::vector<kvcache::pos_t> pos;
     std::vector<std::int32_t> shift;
     std::vector<kvcache::seq_set> seqs;
+    std::vector<kvcache::mrope_pos> ext;  // M-RoPE extra positions (zero without M-RoPE)
     std::vector<kvcache::pos_t> seq_min, seq_max;
     std::uint32_t used = 0;
     std::uint32_t window = 0;
@@ -31,6 +32,7 @@ cache_snapshot snapshot(const Cache& cache) {
         s.pos.push_back(cells.pos(c));
         s.shift.push_back(cells.shift(c));
         s.seqs.push_back(cells.seqs(c));
+        s.ext.push_back(cells.ext(c));
     }
     for (kvcache::seq_id_t q = 0; q < static_cast<kvcache::seq_id_t>(cache.shape().n_seq_max); ++q) {
         s.seq_min.push_back(cache.seq_pos_min(q));

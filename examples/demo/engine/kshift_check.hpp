@@ -1,11 +1,14 @@
 // demo engine: checks that the cache's K-shift did what RoPE says. RoPE is additive, so
 // after a cell moved from position p to p', its K must equal RoPE(K at p, p' - p). The demo
 // snapshots cells' K before seq_add / seq_div and compares afterwards, in double precision,
-// with the cache's RoPE parameters (pairs (2i, 2i+1) or NeoX, freq_base, freq_scale, n_rot).
+// with every field of the cache's rope_params: the per-pair frequencies come from the
+// library's float64 angle functions (kvcache/kernels/rope_angles.hpp: linear, NTK, YaRN,
+// llama3, factor tables, LongRoPE's table of the key's side, M-RoPE's temporal sections
+// only), the rotation itself is done here in double.
 #pragma once
 
 #include <algorithm>  // std::max
-#include <cmath>      // std::cos, std::sin, std::pow
+#include <cmath>      // std::cos, std::sin
 #include <cstdint>    // fixed-width integers
 #include <vector>     // snapshots
 
@@ -20,6 +23,7 @@ struct k_snapshot {
     std::uint32_t cell = 0;
     kvcache::pos_t pos = 0;
     std::vector<float> k;
+    kvcache::pos_t rotated_at = 0;  ///< where K was rotated (pos minus the cell's pending K-shift)
 };
 
 /// Snapshots up to max_cells cells of sequence seq with position >= min_pos.
@@ -32,7 +36,7 @@ std::vector<k_snapshot> snapshot_k(const Cache& cache, kvcache::seq_id_t seq, kv
     for (std::uint32_t c : cells.used_cells()) {
         if (out.size() >= max_cells) break;
         if (!cells.seqs(c).test(seq) || cells.pos(c) < min_pos) continue;
-        k_snapshot s{c, cells.pos(c), std::vector<float>(shape.k_row_size() * shape.n_layer)};
+        k_snapshot s{c, cells.pos(c), std::vector<float>(shape.k_row_size() * shape.n_layer), cells.pos(c) - cells.shift(c)};
         for (std::uint32_t l = 0; l < shape.n_layer; ++l) cache.read_k(l, c, s.k.data() + l * shape.k_row_size());
         out.push_back(std::move(s));
     }
@@ -46,7 +50,9 @@ struct k_shift_report {
     std::size_t n_moved = 0;    ///< of those, cells whose position changed
 };
 
-/// Compares the snapshotted cells' K now with RoPE(old K, new pos - old pos). Call after the
+/// Compares the snapshotted cells' K now with RoPE(old K, new pos - old pos), rotating by the
+/// angle of the delta with the frequencies the key was rotated with and no magnitude
+/// (attn_factor is in K once). Call after the
 /// K-shift was applied (kvcache::ops::apply_k_shift or the engine's next eval). A NaN in
 /// either K makes max_error NaN, which fails every `max_error <= tol` check.
 template <class Cache>
@@ -55,21 +61,28 @@ k_shift_report check_k_shift(const Cache& cache, kvcache::seq_id_t seq, const st
     const auto& cells = cache.cells();
     const auto& rope = shape.rope;
     const std::uint32_t hd = shape.head_dim_k, n_rot = shape.n_rot();
+    // The library's float64 frequencies: [short | long] (long used by LongRoPE keys past n_ctx_orig).
+    std::vector<double> inv_freq(n_rot);
+    kvcache::kernels::rope_inv_freqs(rope, n_rot, false, inv_freq.data());
+    kvcache::kernels::rope_inv_freqs(rope, n_rot, rope.scaling == kvcache::rope_scaling::longrope,
+                                     inv_freq.data() + n_rot / 2);
+    kvcache::kernels::rope_temporal_only(rope, n_rot / 2, inv_freq.data());  // M-RoPE: t sections move
+    kvcache::kernels::rope_temporal_only(rope, n_rot / 2, inv_freq.data() + n_rot / 2);
     k_shift_report r;
     std::vector<float> k(shape.k_row_size());
     for (const k_snapshot& s : before) {
         if (cells.is_free(s.cell) || !cells.seqs(s.cell).test(seq)) continue;
         ++r.n_cells;
-        const double delta = static_cast<double>(cells.pos(s.cell)) - s.pos;
-        if (delta != 0) ++r.n_moved;
+        if (cells.pos(s.cell) != s.pos) ++r.n_moved;
+        const std::int64_t delta = std::int64_t{cells.pos(s.cell)} - s.rotated_at;
+        const double* w = inv_freq.data() + (rope.uses_long_factors(s.rotated_at) ? n_rot / 2 : 0);
         for (std::uint32_t l = 0; l < shape.n_layer; ++l) {
             cache.read_k(l, s.cell, k.data());
             const float* old = s.k.data() + l * shape.k_row_size();
             for (std::uint32_t h = 0; h < shape.n_head_kv; ++h) {
                 std::vector<double> want(old + h * hd, old + (h + 1) * hd);
                 for (std::uint32_t i = 0; i < n_rot / 2; ++i) {
-                    const double theta = delta * rope.freq_scale *
-                                         std::pow(static_cast<double>(rope.freq_base), -2.0 * i / n_rot);
+                    const double theta = kvcache::kernels::rope_reduced_angle(delta, w[i]);
                     const std::uint32_t a = rope.type == kvcache::rope_type::normal ? 2 * i : i;
                     const std::uint32_t b = rope.type == kvcache::rope_type::normal ? 2 * i + 1 : i + n_rot / 2;
                     const double x0 = want[a], x1 = want[b];

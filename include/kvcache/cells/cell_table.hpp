@@ -3,7 +3,8 @@
 // Struct of arrays: position, pending K-shift delta and sequence set per cell,
 // plus indexes maintained on every change so that the usual queries are O(1) or
 // O(log n): used count, first/last used cell, per-sequence position multiset
-// (min/max/contains), number of cells with a pending shift.
+// (min/max/contains), number of cells with a pending shift. Tables made for M-RoPE
+// (with_ext) also keep each cell's extra positions (mrope_pos); the others hold no array for them.
 #pragma once
 
 #include <atomic>   // process-wide content stamps
@@ -95,10 +96,14 @@ public:
         pos_t pos = -1;
         std::int32_t shift = 0;
         seq_set seqs{};
+        mrope_pos ext{};  ///< M-RoPE tables only (else zero)
     };
 
-    cell_table(std::uint32_t n_cells, std::uint32_t n_seq_max)
-        : pos_(n_cells, -1), shift_(n_cells, 0), seqs_(n_cells), seq_pos_(n_seq_max), seq_gen_(n_seq_max, 0) {}
+    /// with_ext: keep M-RoPE extra positions per cell (rope_params::mrope on).
+    cell_table(std::uint32_t n_cells, std::uint32_t n_seq_max, bool with_ext = false)
+        : pos_(n_cells, -1), shift_(n_cells, 0), seqs_(n_cells), seq_pos_(n_seq_max), seq_gen_(n_seq_max, 0) {
+        if (with_ext) ext_.resize(n_cells);
+    }
 
     [[nodiscard]] std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(pos_.size()); }
     [[nodiscard]] std::uint32_t n_seq_max() const noexcept { return static_cast<std::uint32_t>(seq_pos_.size()); }
@@ -110,6 +115,11 @@ public:
     /// Pending RoPE delta of the cell's K: current position minus the position K was computed at.
     [[nodiscard]] std::int32_t shift(std::uint32_t c) const noexcept { return shift_[c]; }
     [[nodiscard]] const seq_set& seqs(std::uint32_t c) const noexcept { return seqs_[c]; }
+    /// Whether the table keeps M-RoPE extra positions.
+    [[nodiscard]] bool has_ext() const noexcept { return !ext_.empty(); }
+    /// M-RoPE extra positions of cell c (zero when free or when the table keeps none). They
+    /// never move: seq_add / seq_div move the temporal position only.
+    [[nodiscard]] mrope_pos ext(std::uint32_t c) const noexcept { return ext_.empty() ? mrope_pos{} : ext_[c]; }
     /// Lowest occupied cell. Call only if used() > 0.
     [[nodiscard]] std::uint32_t first_used() const noexcept {
         KVCACHE_ASSERT(!used_.empty());
@@ -169,10 +179,13 @@ public:
     // --- mutations (preconditions asserted; the cache validates arguments first) ---
 
     /// Occupies free cell c with position p for the sequences in `seqs` (non-empty).
-    void occupy(std::uint32_t c, pos_t p, const seq_set& seqs) {
+    /// e: the cell's M-RoPE extra positions (ignored, and must be zero, without has_ext()).
+    void occupy(std::uint32_t c, pos_t p, const seq_set& seqs, const mrope_pos& e = {}) {
         KVCACHE_ASSERT(is_free(c) && p >= 0 && seqs.any());
+        KVCACHE_ASSERT(!ext_.empty() || e == mrope_pos{});
         touch();
         pos_[c] = p;
+        if (!ext_.empty()) ext_[c] = e;
         seqs_[c] = seqs;
         used_.insert(c);
         seqs.for_each([&](seq_id_t s) { index_add(s, p, c); });
@@ -225,12 +238,12 @@ public:
         for (auto& d : shift_) d = 0;
         n_shifted_ = 0;
     }
-    [[nodiscard]] snapshot save(std::uint32_t c) const noexcept { return {pos_[c], shift_[c], seqs_[c]}; }
+    [[nodiscard]] snapshot save(std::uint32_t c) const noexcept { return {pos_[c], shift_[c], seqs_[c], ext(c)}; }
     /// Puts cell c back to a saved state, whatever it holds now.
     void load(std::uint32_t c, const snapshot& s) {
         if (!is_free(c)) free_cell(c);
         if (s.pos >= 0) {
-            occupy(c, s.pos, s.seqs);
+            occupy(c, s.pos, s.seqs, s.ext);
             set_shift(c, s.shift);
         }
     }
@@ -247,6 +260,7 @@ public:
             pos_[c] = -1;
             shift_[c] = 0;
             seqs_[c].clear();
+            if (!ext_.empty()) ext_[c] = {};
         }
         used_.clear();
         for (auto& m : seq_pos_) m.clear();
@@ -261,6 +275,7 @@ private:
         touch();
         pos_[c] = -1;
         set_shift(c, 0);
+        if (!ext_.empty()) ext_[c] = {};
         used_.erase(c);
     }
     // Membership changes of cell c; move_pos passes no cell (membership is unchanged).
@@ -282,6 +297,7 @@ private:
     std::vector<pos_t> pos_;            // -1 = free; >= 0 occupied
     std::vector<std::int32_t> shift_;   // 0 for free cells; pos - pos at which K was computed
     std::vector<seq_set> seqs_;         // empty exactly for free cells
+    std::vector<mrope_pos> ext_;        // M-RoPE tables: per cell (zero for free cells); else empty
     std::set<std::uint32_t> used_;      // exactly the cells with pos >= 0
     std::vector<std::map<pos_t, std::uint32_t>> seq_pos_;  // per sequence: position -> cell count
     std::vector<std::uint64_t> seq_gen_;  // per sequence: stamp_ of its last change (seq_generation)

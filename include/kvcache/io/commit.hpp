@@ -143,14 +143,14 @@ load_info finish_commit_meta(Cache& cache, staged_state& st, seq_id_t dst, prepa
     cell_table& ct = cache.cells_for_update(internal_access{});
     for (const auto& [from, to] : pc.picked.moves) {  // the layout makes room: move whole cells
         cache.storage().copy_cell(from, to);
-        ct.occupy(to, ct.pos(from), ct.seqs(from));
+        ct.occupy(to, ct.pos(from), ct.seqs(from), ct.ext(from));
         ct.set_shift(to, ct.shift(from));
         ct.free_cell(from);
     }
     load_info info;
     info.cells = std::move(pc.picked.cells);
     for (std::size_t i = 0; i < info.cells.size(); ++i) {
-        ct.occupy(info.cells[i], st.pos[i], st.seqs[i]);
+        ct.occupy(info.cells[i], st.pos[i], st.seqs[i], st.ext.empty() ? mrope_pos{} : st.ext[i]);
         ct.set_shift(info.cells[i], st.shift[i]);
     }
     std::vector<pos_t> pruned_after(cache.shape().n_seq_max, 0);

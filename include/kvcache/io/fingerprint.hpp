@@ -77,7 +77,8 @@ struct fingerprint {
 /// and n_rot (every state written before the word existed), else a nonzero 32-bit hash of
 /// the fields in use: ntk_alpha, attn_factor, scaling, and for the selected scaling
 /// n_ctx_orig, its parameters (yarn / llama3) and its factor tables (freq_factors, or
-/// short_factors and long_factors), each as f32 bits with the table sizes. Fields of a
+/// short_factors and long_factors), each as f32 bits with the table sizes, then the M-RoPE
+/// sections and layout when M-RoPE is on. Fields of a
 /// scaling not selected are left out, so they never make two equal RoPEs differ.
 inline std::uint32_t rope_ext_word(const rope_params& r) noexcept {
     if (!r.extended()) return 0;
@@ -110,6 +111,11 @@ inline std::uint32_t rope_ext_word(const rope_params& r) noexcept {
             put_table(r.long_factors);
             break;
         default: put_table(r.freq_factors);
+    }
+    if (r.mrope.on()) {  // appended: the words of every RoPE without M-RoPE are unchanged
+        put_u32(0x45504f52u);  // tag "ROPE"
+        for (std::uint32_t v : r.mrope.sections) put_u32(v);
+        put_u32(r.mrope.interleaved ? 1u : 0u);
     }
     const std::uint64_t d = h.digest();
     const auto w = static_cast<std::uint32_t>(d ^ (d >> 32));

@@ -9,7 +9,9 @@
 //   4      4     format version (1)
 //   8      8     total_size: bytes of the whole state, checksum included
 //   16     4     kind: 0 = whole cache, 1 = one sequence
-//   20     4     flags: bit 0 = a pruning table follows the cells; other bits 0
+//   20     4     flags: bit 0 = a pruning table follows the cells; bit 1 = M-RoPE positions
+//                follow the cells (set exactly when the cache's rope.mrope has sections);
+//                other bits 0
 //   24     48    fingerprint: n_layer, n_head_kv, head_dim_k, head_dim_v, element type_id,
 //                element size, rope type, rope n_rot, rope freq_base (f32 bits), rope
 //                freq_scale (f32 bits), layout_id (informational: states load across
@@ -25,6 +27,8 @@
 //                media:   n_media x {u64 id, u32 begin, u32 n_pos}
 //                cells:   n_cells x {i32 pos, i32 shift, u32 n_seq, n_seq x i32 seq id}
 //                         (seq ids strictly increasing; for kind 1 exactly {seq})
+//                mrope:   only with flags bit 1: n_cells x {i32 h, i32 w, i32 e} (each >= 0),
+//                         the M-RoPE extra positions of the cells, in cell record order
 //                pruning: only with flags bit 0: u32 n >= 1, then n x {i32 seq, i32 pruned_below}
 //                         (seq ids strictly increasing, each holding a cell; for kind 1
 //                         exactly {seq}; 1 <= pruned_below <= that sequence's largest
@@ -48,6 +52,8 @@
 // (reserved field not 0), as it must.
 // The pruning table came after the first version 1 files: a state without pruning
 // points is byte-identical to those (flags 0) and every version 1 file still loads.
+// The M-RoPE table came later still: it exists only for caches with M-RoPE sections, whose
+// rope scaling word (which hashes the sections) no earlier library accepts anyway.
 // A ring loading a state takes its pruning points back (positions below them stay
 // refused as before the save); other layouts hold every cell they are given and
 // ignore the table.
@@ -82,6 +88,8 @@ inline constexpr std::size_t state_header_size = 104;
 inline constexpr std::size_t state_checksum_size = 8;
 /// Flags bit: a table of per-sequence pruning points follows the cell records.
 inline constexpr std::uint32_t state_flag_pruning = 1;
+/// Flags bit: the cells' M-RoPE extra positions follow the cell records.
+inline constexpr std::uint32_t state_flag_mrope = 2;
 
 /// What a state holds.
 enum class state_kind : std::uint32_t {

@@ -67,9 +67,10 @@ inline maybe_problem kind(const state_header& h, const header_expect& e) {
 }
 
 inline maybe_problem flags(const state_header& h, const header_expect&) {
-    if ((h.flags & ~state_flag_pruning) != 0)
-        return parse_problem{errc::unsupported,
-                             "flags = " + hex(h.flags) + ", version 1 defines only bit 0 (pruning table)"};
+    if ((h.flags & ~(state_flag_pruning | state_flag_mrope)) != 0)
+        return parse_problem{errc::unsupported, "flags = " + hex(h.flags) +
+                                                    ", version 1 defines only bit 0 (pruning table) and bit 1 "
+                                                    "(M-RoPE positions)"};
     return std::nullopt;
 }
 

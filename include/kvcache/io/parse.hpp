@@ -46,6 +46,7 @@ struct staged_state {
     std::vector<pos_t> pos;         // per saved cell
     std::vector<std::int32_t> shift;
     std::vector<seq_set> seqs;
+    std::vector<mrope_pos> ext;     // per saved cell with flags bit 1 (M-RoPE), else empty
     std::vector<std::pair<seq_id_t, pos_t>> pruning;  // (sequence in the cache, pruning point)
     const std::byte* data = nullptr;  // first byte of the K/V section
     std::uint64_t layer_bytes = 0;
@@ -116,7 +117,7 @@ inline std::optional<std::uint64_t> state_size_bound(const state_header& h, std:
     auto add = [&](std::optional<std::uint64_t> v) { n = n && v ? add_u64(*n, *v) : std::nullopt; };
     add(mul_u64(h.n_tokens, 4));
     add(mul_u64(h.n_media, 16));
-    add(mul_u64(h.n_cells, 12 + std::uint64_t{4} * n_seq_max));
+    add(mul_u64(h.n_cells, 24 + std::uint64_t{4} * n_seq_max));  // record + M-RoPE positions
     add(mul_u64(ls.layer, h.fp.n_layer));
     return n;
 }
@@ -265,6 +266,37 @@ maybe_problem cells(parse_context<Cache>& c) {
     return std::nullopt;
 }
 
+/// The M-RoPE positions (flags bit 1): present exactly when the cache has M-RoPE sections.
+template <class Cache>
+maybe_problem mrope(parse_context<Cache>& c) {
+    const bool want = c.cache.shape().rope.mrope.on();
+    const bool has = (c.h.flags & state_flag_mrope) != 0;
+    if (has != want)
+        return fail(errc::invalid_cell, has ? std::string("flags bit 1: the state holds M-RoPE positions but the cache's "
+                                                          "rope.mrope has no sections")
+                                            : std::string("flags bit 1 is clear: the cache has M-RoPE sections "
+                                                          "(rope.mrope) but the state holds no M-RoPE positions"));
+    if (!has) return std::nullopt;
+    byte_reader& r = c.r;
+    const auto n = static_cast<std::size_t>(c.h.n_cells);
+    if (!r.has(std::uint64_t{n} * 12))
+        return fail(errc::truncated, "M-RoPE positions of " + std::to_string(n) + " cells need " +
+                                         std::to_string(std::uint64_t{n} * 12) + " bytes, " +
+                                         std::to_string(r.left()) + " left");
+    c.st.ext.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        mrope_pos& e = c.st.ext[i];
+        e.h = r.get<std::int32_t>();
+        e.w = r.get<std::int32_t>();
+        e.e = r.get<std::int32_t>();
+        if (e.h < 0 || e.w < 0 || e.e < 0)
+            return fail(errc::invalid_cell, "cell " + std::to_string(i) + ": M-RoPE positions (" +
+                                                std::to_string(e.h) + ", " + std::to_string(e.w) + ", " +
+                                                std::to_string(e.e) + "), each must be >= 0");
+    }
+    return std::nullopt;
+}
+
 /// The optional table of ring pruning points (flags bit 0).
 template <class Cache>
 maybe_problem pruning(parse_context<Cache>& c) {
@@ -373,7 +405,7 @@ maybe_problem unique_positions(parse_context<Cache>& c) {
 /// earlier ones read) and returns the first problem.
 template <class Cache>
 inline constexpr maybe_problem (*state_sections[])(parse_context<Cache>&) = {
-    &sections::counts<Cache>,  &sections::tokens<Cache>,  &sections::cells<Cache>,          &sections::pruning<Cache>,
+    &sections::counts<Cache>,  &sections::tokens<Cache>,  &sections::cells<Cache>, &sections::mrope<Cache>, &sections::pruning<Cache>,
     &sections::kv_data<Cache>, &sections::k_padding<Cache>, &sections::unique_positions<Cache>,
 };
 

@@ -71,6 +71,7 @@ template <class Cache>
 std::size_t state_bytes(const Cache& cache, std::span<const std::uint32_t> cells, seq_id_t seq,
                         std::size_t n_tokens, std::size_t n_media) {
     std::size_t n = state_header_size + n_tokens * 4 + n_media * 16 + cells.size() * 12;
+    if (cache.shape().rope.mrope.on()) n += cells.size() * 12;  // M-RoPE positions
     if (const std::size_t np = pruning_entries(cache, seq).size(); np != 0) n += 4 + np * 8;
     for (std::uint32_t c : cells) n += 4 * (seq < 0 ? static_cast<std::size_t>(cache.cells().seqs(c).count()) : 1);
     return n + static_cast<std::size_t>(sizes_for(fingerprint_of(cache), cells.size())->layer) *
@@ -89,7 +90,8 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
     w.put<std::uint64_t>(out.size());
     state_header h;
     h.kind = static_cast<std::uint32_t>(seq < 0 ? state_kind::whole_cache : state_kind::one_sequence);
-    h.flags = pruning.empty() ? 0u : state_flag_pruning;
+    const bool mrope = cache.shape().rope.mrope.on();
+    h.flags = (pruning.empty() ? 0u : state_flag_pruning) | (mrope ? state_flag_mrope : 0u);
     h.fp = f;
     h.seq = seq < 0 ? -1 : seq;
     h.rope_ext = f.rope_ext;
@@ -114,6 +116,13 @@ void write_state(const Cache& cache, std::span<const std::uint32_t> cells, seq_i
             w.put<std::int32_t>(seq);
         }
     }
+    if (mrope)
+        for (std::uint32_t c : cells) {
+            const mrope_pos e = ct.ext(c);
+            w.put<std::int32_t>(e.h);
+            w.put<std::int32_t>(e.w);
+            w.put<std::int32_t>(e.e);
+        }
     if (!pruning.empty()) {
         w.put<std::uint32_t>(static_cast<std::uint32_t>(pruning.size()));
         for (const auto& [s, p] : pruning) {

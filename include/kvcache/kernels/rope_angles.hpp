@@ -88,6 +88,15 @@ inline void rope_inv_freqs(const rope_params& r, std::uint32_t n_rot, bool long_
     for (std::uint32_t i = 0; i < n_rot / 2; ++i) out[i] = rope_inv_freq(r, n_rot, i, long_table);
 }
 
+/// M-RoPE K-shift: the frequencies of the pairs driven by a non-temporal section (h, w, e)
+/// set to 0, so that a rotation by a temporal delta leaves them exactly as they are
+/// (cos 0 = 1, sin 0 = 0). No-op without M-RoPE.
+inline void rope_temporal_only(const rope_params& r, std::uint32_t n_pairs, double* inv_freq) noexcept {
+    if (!r.mrope.on()) return;
+    for (std::uint32_t i = 0; i < n_pairs; ++i)
+        if (r.mrope.component(i) != 0) inv_freq[i] = 0.0;
+}
+
 /// Angle p * inv_freq reduced to about [-pi, pi], exact up to double rounding of the result.
 inline double rope_reduced_angle(std::int64_t p, double inv_freq) noexcept {
     constexpr double two_pi_hi = 6.283185307179586;            // 2*pi rounded to double

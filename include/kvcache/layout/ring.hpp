@@ -382,7 +382,7 @@ struct ring {
             });
             if (t == no_cell) return;
             this->copy_cell(f, t);
-            cells.occupy(t, cells.pos(f), holders);
+            cells.occupy(t, cells.pos(f), holders, cells.ext(f));
             cells.set_shift(t, cells.shift(f));
             cells.free_cell(f);
         }

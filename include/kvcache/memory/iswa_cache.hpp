@@ -30,6 +30,7 @@
 #include <algorithm>  // std::max
 #include <cstdint>  // fixed-width integers
 #include <limits>   // position limits
+#include <optional> // swa_rope
 #include <span>     // batch inputs
 #include <string>   // messages
 #include <utility>  // std::pair
@@ -47,6 +48,12 @@ struct iswa_shape {
     model_shape shape;              ///< all layers of the model; n_cells = capacity of the full cache
     std::vector<bool> swa_layers;   ///< per model layer: true = sliding window (size shape.n_layer)
     std::uint32_t swa_n_cells = 0;  ///< capacity of the ring cache (see ring<Window>::cells_for)
+    /// RoPE of the sliding-window layers when it differs from shape.rope (which the full
+    /// layers use); nullopt: shape.rope for every layer. Gemma 3: shape.rope = base 1e6 with
+    /// linear scaling 8 (freq_scale 0.125) for the global layers, swa_rope = base 10000 for
+    /// the local ones. Each part's K-shift rotates with its own parameters, and each part's
+    /// state fingerprint carries them. Validated like shape.rope (errors name iswa_shape.swa_rope).
+    std::optional<rope_params> swa_rope;
 
     /// Gemma-style pattern: layer l is full attention when (l + 1) % period == 0, else SWA.
     [[nodiscard]] static std::vector<bool> every_nth_full(std::uint32_t n_layer, std::uint32_t period) {
@@ -109,6 +116,11 @@ public:
     }
     /// Whether model layer l is a sliding-window layer.
     [[nodiscard]] bool is_swa(std::uint32_t l) const { return map_.at(check_layer("is_swa", l)).first; }
+    /// RoPE parameters of model layer l (its part's: iswa_shape::swa_rope or shape.rope); rotate
+    /// the layer's q and k with them (ops::rope_rows).
+    [[nodiscard]] const rope_params& rope(std::uint32_t l) const {
+        return is_swa(l) ? swa_.shape().rope : full_.shape().rope;
+    }
     /// Index of model layer l inside the cache of its type.
     [[nodiscard]] std::uint32_t local_layer(std::uint32_t l) const { return map_.at(check_layer("local_layer", l)).second; }
 
@@ -336,6 +348,12 @@ private:
             detail::fail(errc::invalid_config, "iswa_shape.swa_layers has " + std::to_string(s.swa_layers.size()) +
                                                    " entries, must equal shape.n_layer = " +
                                                    std::to_string(s.shape.n_layer));
+        if (s.swa_rope) {
+            s.swa_rope->validate(s.shape.head_dim_k, errc::invalid_config, "iswa_shape.swa_rope.");
+            if (s.swa_rope->mrope.on() != s.shape.rope.mrope.on())
+                detail::fail(errc::invalid_config, "iswa_shape.swa_rope.mrope: M-RoPE must be on in both parts or in "
+                                                   "neither (shape.rope.mrope)");
+        }
         std::vector<std::pair<bool, std::uint32_t>> m;
         std::uint32_t n_swa = 0, n_full = 0;
         for (bool sw : s.swa_layers) m.emplace_back(sw, sw ? n_swa++ : n_full++);
@@ -351,6 +369,7 @@ private:
         for (bool sw : s.swa_layers) n += sw == swa;
         g.n_layer = n;
         if (swa) g.n_cells = s.swa_n_cells;
+        if (swa && s.swa_rope) g.rope = *s.swa_rope;
         return g;
     }
 

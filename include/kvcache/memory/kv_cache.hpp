@@ -142,7 +142,7 @@ public:
     /// Builds a cache for `shape`; throws kvcache::error(invalid_config) naming a bad parameter.
     /// Allocates every buffer once, zero-initialised (F2).
     explicit basic_kv_cache(const model_shape& shape)
-        : shape_(validated(shape)), cells_(shape.n_cells, shape.n_seq_max), storage_(shape) {
+        : shape_(validated(shape)), cells_(shape.n_cells, shape.n_seq_max, shape.rope.mrope.on()), storage_(shape) {
         // Layout capability: storage with block/region bookkeeping follows every cell change.
         if constexpr (has_capability<storage_t, layout_caps::cell_observer>) cells_.set_observer(storage_.observer());
     }
@@ -225,7 +225,18 @@ public:
     /// Invalid arguments throw kvcache::error(invalid_argument) and change nothing.
     /// Not enough free cells: an error result (no_space / batch_too_large), nothing changed.
     /// Placed cells are staged until commit() / restore().
+    /// A cache whose shape has M-RoPE sections (rope.mrope) needs each token's extra
+    /// positions: use the overloads taking `ext`; these throw invalid_argument there.
     [[nodiscard]] result<placement> place(std::span<const pos_t> pos, std::span<const seq_id_t> seq) {
+        return place(pos, seq, std::span<const mrope_pos>{});
+    }
+
+    /// M-RoPE placement: as above, token i with extra positions ext[i] (h, w, e; each >= 0),
+    /// kept by its cell through every sequence operation, defragmentation and state file.
+    /// ext must have one entry per token for an M-RoPE cache and be empty otherwise
+    /// (invalid_argument naming the problem, nothing changed).
+    [[nodiscard]] result<placement> place(std::span<const pos_t> pos, std::span<const seq_id_t> seq,
+                                          std::span<const mrope_pos> ext) {
         if (pos.size() != seq.size())
             detail::fail(errc::invalid_argument, "place: pos has " + std::to_string(pos.size()) +
                                                      " entries but seq has " + std::to_string(seq.size()));
@@ -234,13 +245,20 @@ public:
             check_seq("place", "seq[" + std::to_string(i) + "]", seq[i], false);
             sets[i] = seq_set::of(seq[i]);
         }
-        return place(pos, std::span<const seq_set>(sets));
+        return place(pos, std::span<const seq_set>(sets), ext);
     }
 
     /// Places a micro-batch whose tokens may belong to several sequences each (seqs[i] non-empty).
     [[nodiscard]] result<placement> place(std::span<const pos_t> pos, std::span<const seq_set> seqs) {
+        return place(pos, seqs, std::span<const mrope_pos>{});
+    }
+
+    /// Multi-sequence M-RoPE placement (see the ext overload above).
+    [[nodiscard]] result<placement> place(std::span<const pos_t> pos, std::span<const seq_set> seqs,
+                                          std::span<const mrope_pos> ext) {
         check_no_foreign_seqs(seqs);
         validate_batch(pos, seqs);
+        check_ext(pos.size(), ext);
         const auto n = static_cast<std::uint32_t>(pos.size());
         if (pos.size() > capacity())
             return detail::make_error(errc::batch_too_large, "place: batch of " + std::to_string(pos.size()) +
@@ -277,13 +295,13 @@ public:
             staged_.reserve(staged_.size() + n + copies.size());
             for (const cell_copy& c : copies) {  // c.seq moves from c.src to its own copy c.dst
                 staged_.push_back(c.dst);
-                cells_.occupy(c.dst, cells_.pos(c.src), seq_set::of(c.seq));
+                cells_.occupy(c.dst, cells_.pos(c.src), seq_set::of(c.seq), cells_.ext(c.src));
                 cells_.set_shift(c.dst, cells_.shift(c.src));
                 cells_.rm_seq(c.src, c.seq);
             }
             for (std::uint32_t i = 0; i < n; ++i) {
                 staged_.push_back(out.cells[i]);
-                cells_.occupy(out.cells[i], pos[i], seqs[i]);
+                cells_.occupy(out.cells[i], pos[i], seqs[i], ext.empty() ? mrope_pos{} : ext[i]);
             }
             // K/V last (never throws): a throw above leaves every byte as it was.
             for (const cell_copy& c : copies) storage_.copy_cell(c.src, c.dst);
@@ -453,6 +471,8 @@ public:
     /// the layout refuses (ring: pruned positions) or a cell would cross LongRoPE's
     /// rope.n_ctx_orig (rope_params::shift_exact). Throws unsupported when the layout can
     /// never move positions (can_shift == false), invalid_argument past position 2^31-1.
+    /// M-RoPE caches: only the temporal position moves (and the K-shift rotates only the
+    /// temporal section's pairs); each cell's extra positions (h, w, e) stay as placed.
     [[nodiscard]] result<void> seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
         check_no_tx("seq_add");
         check_seq("seq_add", "seq_id", s, true);
@@ -569,6 +589,25 @@ private:
                              std::string(fn) + ": cell " + std::to_string(c) + " is free; place the batch first");
         }
         if (cells.empty()) check_layer_cell(fn, layer, 0);
+    }
+    void check_ext(std::size_t n, std::span<const mrope_pos> ext) const {
+        if (shape_.rope.mrope.on()) {
+            if (ext.size() != n)
+                detail::fail(errc::invalid_argument,
+                             "place: this cache's shape has M-RoPE sections (rope.mrope), so every token needs its "
+                             "extra positions (h, w, e): ext has " + std::to_string(ext.size()) + " entries for " +
+                                 std::to_string(n) + " tokens");
+            for (std::size_t i = 0; i < n; ++i)
+                if (ext[i].h < 0 || ext[i].w < 0 || ext[i].e < 0)
+                    detail::fail(errc::invalid_argument,
+                                 "place: ext[" + std::to_string(i) + "] = (" + std::to_string(ext[i].h) + ", " +
+                                     std::to_string(ext[i].w) + ", " + std::to_string(ext[i].e) +
+                                     "), M-RoPE positions must be >= 0");
+        } else if (!ext.empty()) {
+            detail::fail(errc::invalid_argument, "place: ext has " + std::to_string(ext.size()) +
+                                                     " M-RoPE extra positions but this cache's shape has no "
+                                                     "M-RoPE sections (rope.mrope); pass none");
+        }
     }
     void check_no_tx(const char* fn) const {
         if (!staged_.empty())
@@ -721,7 +760,7 @@ private:
                 target = targets[next_target++];
                 copies.emplace_back(c, target);
                 cells_.rm_seq(c, s);
-                cells_.occupy(target, cells_.pos(c), seq_set::of(s));
+                cells_.occupy(target, cells_.pos(c), seq_set::of(s), cells_.ext(c));
                 cells_.set_shift(target, cells_.shift(c));
             }
             cells_.move_pos(target, static_cast<pos_t>(np));

@@ -72,6 +72,7 @@ plan make_plan(const Cache& cache, int n_threads) {
     std::vector<double> inv_freq(std::size_t{pl.n_pairs} * (two_tables ? 2 : 1));  // [short | long]
     kernels::rope_inv_freqs(rope, pl.n_rot, false, inv_freq.data());
     if (two_tables) kernels::rope_inv_freqs(rope, pl.n_rot, true, inv_freq.data() + pl.n_pairs);
+    kernels::rope_temporal_only(rope, pl.n_pairs, inv_freq.data());  // M-RoPE: moves are temporal only
     pl.cos_tab.resize(pl.deltas.size() * pl.n_pairs);
     pl.sin_tab.resize(pl.deltas.size() * pl.n_pairs);
     const int threads = resolve_threads(n_threads);
@@ -206,6 +207,8 @@ struct units {
 /// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
 /// Every RoPE variant of rope_params: the tables rotate by the angle of the delta with the
 /// frequencies K was rotated with, never by the magnitude attn_factor (see make_plan).
+/// M-RoPE (rope.mrope): a delta moves the temporal component only; the pairs of the
+/// height / width / extra sections are left exactly as they are (their positions never move).
 /// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
 /// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
 /// Refused (kvcache::error transaction_open, nothing changed) while placements are staged.

@@ -113,6 +113,7 @@ public:
         std::vector<pos_t> pos;
         std::vector<std::int32_t> shift;
         std::vector<storage_type> data;
+        std::vector<mrope_pos> ext;  ///< M-RoPE extra positions per cell (M-RoPE caches only)
     };
 
     /// Copies every cell of seq.
@@ -126,6 +127,7 @@ public:
         for (std::uint32_t c : cells) {
             h.pos.push_back(cache.cells().pos(c));
             h.shift.push_back(cache.cells().shift(c));
+            if (cache.cells().has_ext()) h.ext.push_back(cache.cells().ext(c));
         }
         h.data.resize(row * cells.size() * sh.n_layer);
         const std::size_t per_layer = row * cells.size();
@@ -152,7 +154,8 @@ public:
                                       "copy_store::load: destination sequence " + std::to_string(dst) + " is not empty");
         const model_shape& sh = cache.shape();
         const std::size_t row = sh.k_row_size() + sh.v_row_size();
-        if (h.data.size() != row * h.pos.size() * sh.n_layer || h.shift.size() != h.pos.size())
+        if (h.data.size() != row * h.pos.size() * sh.n_layer || h.shift.size() != h.pos.size() ||
+            h.ext.size() != (sh.rope.mrope.on() ? h.pos.size() : 0))
             return detail::make_error(errc::shape_mismatch, "copy_store::load: entry holds " +
                                                                 std::to_string(h.data.size()) + " elements for " +
                                                                 std::to_string(h.pos.size()) + " cells, expected " +
@@ -172,7 +175,8 @@ public:
             stand_in.resize(h.pos.size());
             for (std::size_t i = 0; i < stand_in.size(); ++i) stand_in[i] = static_cast<pos_t>(i);
         }
-        auto placed = cache.place(repeated ? std::span<const pos_t>(stand_in) : std::span<const pos_t>(h.pos), seqs);
+        auto placed = cache.place(repeated ? std::span<const pos_t>(stand_in) : std::span<const pos_t>(h.pos),
+                                  std::span<const seq_id_t>(seqs), std::span<const mrope_pos>(h.ext));
         if (!placed) return detail::make_error(placed.code(), "copy_store::load: " + placed.message());
         const auto& cells = placed.value().cells;
         const std::size_t per_layer = row * cells.size();

@@ -557,6 +557,7 @@ private:
         std::uint32_t cell;
         pos_t pos;
         std::int32_t shift;
+        mrope_pos ext;
     };
     struct parked_part {
         std::vector<parked_cell> cells;
@@ -574,7 +575,7 @@ private:
             parked_part pp;
             const cell_table& ct = part.cells();
             for (std::uint32_t c : ct.used_cells())
-                if (ct.seqs(c).test(seq)) pp.cells.push_back({c, ct.pos(c), ct.shift(c)});
+                if (ct.seqs(c).test(seq)) pp.cells.push_back({c, ct.pos(c), ct.shift(c), ct.ext(c)});
             if constexpr (has_capability<typename part_t::storage_t, layout_caps::pruning>)
                 pp.pruned = part.storage().pruned_below(seq);
             out.push_back(std::move(pp));
@@ -591,7 +592,7 @@ private:
             cell_table& ct = part.cells_for_update(detail::internal_access{});
             for (const parked_cell& pc : pp.cells) {
                 if (ct.is_free(pc.cell)) {
-                    ct.occupy(pc.cell, pc.pos, seq_set::of(seq));
+                    ct.occupy(pc.cell, pc.pos, seq_set::of(seq), pc.ext);
                     ct.set_shift(pc.cell, pc.shift);
                 } else {  // still held by the sequences that shared it
                     KVCACHE_ASSERT(ct.pos(pc.cell) == pc.pos);
