@@ -5,6 +5,9 @@
 #include <algorithm>  // std::sort, std::unique, std::lower_bound
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
+#include <functional>  // std::function (composite K-shift)
+#include <memory>      // std::shared_ptr
+#include <type_traits>  // std::remove_reference_t
 #include <string>     // messages
 #include <vector>     // per-call tables
 
@@ -131,42 +134,51 @@ plan make_plan(const Cache& cache, int n_threads) {
 
 }  // namespace detail_kshift
 
-/// K-shift (F6): rotates the cached K of every layer by each cell's pending delta
-/// (cache.cells().shift(c), the sum of every seq_add / seq_div since the last K-shift),
-/// then clears the pending deltas. V is not touched. Reads and writes only cells [0, n)
-/// with n = cache.n_window() (F8), and only the cells that move. Each distinct delta's
-/// cos/sin table is computed once (in double, accurate for deltas up to 2^31) and shared
-/// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
-/// Every RoPE variant of rope_params: the tables rotate by the angle of the delta with the
-/// frequencies K was rotated with, never by the magnitude attn_factor (see make_plan).
-/// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
-/// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
-/// Refused (kvcache::error transaction_open, nothing changed) while placements are staged.
+namespace detail_kshift {
+
+/// Everything one cache's K-shift allocates (the plan, the layer views), made before any
+/// change, so that a composite memory can prepare every part before rotating the first.
 template <class Cache>
-void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
-    static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
-                                    "kvcache::composite_memory (see kvcache/memory/memory.hpp)");
+struct prepared {
+    bool any = false;  // pending shifts to clear
+    plan pl;
+    std::vector<kv_layer_view<typename Cache::storage_type>> views;
+};
+
+template <class Cache>
+prepared<Cache> prepare(Cache& cache, int n_threads) {
     if (cache.in_transaction())  // restore() would put back metadata of K already rotated
         kvcache::detail::fail(errc::transaction_open, "apply_k_shift: placements are staged; commit() or restore() first");
-    if (!cache.has_shift()) return;
+    prepared<Cache> pr;
+    if (!cache.has_shift()) return pr;
+    pr.any = true;
+    pr.pl = make_plan(cache, n_threads);
+    if (pr.pl.n_pairs != 0 && !pr.pl.tiles.empty()) {
+        pr.views.reserve(cache.shape().n_layer);
+        for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l) pr.views.push_back(cache.storage().view(l));
+    }
+    return pr;
+}
+
+/// Rotates the tiles of a prepared plan and clears the pending shifts; allocates nothing.
+template <class Cache>
+void rotate(Cache& cache, const prepared<Cache>& pr, int n_threads, kernel_path path) {
+    if (!pr.any) return;
     using storage_type = typename Cache::storage_type;
     using element = typename Cache::element;
-    const model_shape& shape = cache.shape();
-    const detail_kshift::plan pl = detail_kshift::make_plan(cache, n_threads);
-    if (pl.n_pairs != 0 && !pl.tiles.empty()) {
-        const std::uint32_t n_head_kv = shape.n_head_kv;
+    const plan& pl = pr.pl;
+    if (!pr.views.empty()) {
+        const std::uint32_t n_head_kv = cache.shape().n_head_kv;
         const bool prefetch = cpu_is_intel();
         const auto n_tiles = static_cast<std::int64_t>(pl.tiles.size());
         const int threads = resolve_threads(n_threads);
         static_cast<void>(threads);
-        std::vector<kv_layer_view<storage_type>> views;
-        views.reserve(shape.n_layer);
-        for (std::uint32_t l = 0; l < shape.n_layer; ++l) views.push_back(cache.storage().view(l));
+        const auto& views = pr.views;
         // Tile k of (layer l, head h) is work item (l * n_head_kv + h) * n_tiles + k; the
         // items are split into one contiguous range per thread inside one parallel region
         // (a region per layer and head cost a wake-up of every thread each time: with
         // passive waiting, 16 threads spent a third of the call asleep).
-        const std::int64_t n_items = std::int64_t{shape.n_layer} * n_head_kv * n_tiles;
+        const std::int64_t n_items = static_cast<std::int64_t>(views.size()) * n_head_kv * n_tiles;
         auto tile_ptr = [&](std::int64_t item) {
             const std::int64_t stream = item / n_tiles;
             const kv_layer_view<storage_type>& v = views[static_cast<std::size_t>(stream / n_head_kv)];
@@ -210,11 +222,46 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
     cache.clear_shifts();
 }
 
+}  // namespace detail_kshift
+
+/// K-shift (F6): rotates the cached K of every layer by each cell's pending delta
+/// (cache.cells().shift(c), the sum of every seq_add / seq_div since the last K-shift),
+/// then clears the pending deltas. V is not touched. Reads and writes only cells [0, n)
+/// with n = cache.n_window() (F8), and only the cells that move. Each distinct delta's
+/// cos/sin table is computed once (in double, accurate for deltas up to 2^31) and shared
+/// by every cell, layer and head that uses it. n_threads <= 0: the OpenMP default.
+/// Every RoPE variant of rope_params: the tables rotate by the angle of the delta with the
+/// frequencies K was rotated with, never by the magnitude attn_factor (see make_plan).
+/// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
+/// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
+/// Refused (kvcache::error transaction_open, nothing changed) while placements are staged.
+/// Complete or nothing: everything it allocates (std::bad_alloc) is allocated before the
+/// first K row changes.
+template <class Cache>
+void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
+    static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
+                                    "kvcache::composite_memory (see kvcache/memory/memory.hpp)");
+    const detail_kshift::prepared<Cache> pr = detail_kshift::prepare(cache, n_threads);
+    detail_kshift::rotate(cache, pr, n_threads, path);
+}
+
 /// K-shift of a memory made of several caches (iswa_cache): every part's pending shift.
+/// Complete or nothing over all parts: every part is checked (staged placements, LongRoPE
+/// moves) and its plan allocated before the first part is rotated, so a refusal or a
+/// std::bad_alloc leaves every part as it was.
 template <class Memory>
     requires composite_memory<Memory>
 void apply_k_shift(Memory& mem, int n_threads = 0, kernel_path path = kernel_path::simd) {
-    mem.for_each_part(kvcache::detail::internal_access{}, [&](auto& part) { apply_k_shift(part, n_threads, path); });
+    std::size_t n_parts = 0;
+    mem.for_each_part([&](const auto&) { ++n_parts; });
+    std::vector<std::function<void()>> rotations;  // one per part, built before any runs
+    rotations.reserve(n_parts);
+    mem.for_each_part(kvcache::detail::internal_access{}, [&](auto& part) {
+        using part_t = std::remove_reference_t<decltype(part)>;
+        auto pr = std::make_shared<const detail_kshift::prepared<part_t>>(detail_kshift::prepare(part, n_threads));
+        rotations.emplace_back([&part, pr, n_threads, path] { detail_kshift::rotate(part, *pr, n_threads, path); });
+    });
+    for (auto& r : rotations) r();  // allocates nothing: std::function keeps its callable
 }
 
 }  // namespace ops
