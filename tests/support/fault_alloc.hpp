@@ -10,6 +10,7 @@
 namespace kvtest::fi {
 inline std::atomic<long> countdown{0};  // > 0: armed; the allocation that brings it to 0 throws
 inline std::atomic<long> injected{0};   // failures injected so far
+inline std::atomic<long> live{0};       // allocations not freed yet (a leak check)
 inline bool fail_now() noexcept {
     long c = countdown.load(std::memory_order_relaxed);
     if (c <= 0) return false;
@@ -21,15 +22,25 @@ inline bool fail_now() noexcept {
 }
 inline void* alloc(std::size_t n) {
     if (fail_now()) throw std::bad_alloc();
-    if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+    if (void* p = std::malloc(n == 0 ? 1 : n)) {
+        live.fetch_add(1, std::memory_order_relaxed);
+        return p;
+    }
     throw std::bad_alloc();
 }
 inline void* alloc_aligned(std::size_t n, std::align_val_t a) {
     if (fail_now()) throw std::bad_alloc();
     const auto al = static_cast<std::size_t>(a);
     const std::size_t sz = (n == 0 ? al : (n + al - 1) / al * al);
-    if (void* p = std::aligned_alloc(al, sz)) return p;
+    if (void* p = std::aligned_alloc(al, sz)) {
+        live.fetch_add(1, std::memory_order_relaxed);
+        return p;
+    }
     throw std::bad_alloc();
+}
+inline void release(void* p) noexcept {
+    if (p != nullptr) live.fetch_sub(1, std::memory_order_relaxed);
+    std::free(p);
 }
 /// The n-th allocation from now throws (n >= 1).
 inline void arm(long n) { countdown.store(n); }
@@ -56,11 +67,11 @@ void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
         return nullptr;
     }
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p) noexcept { kvtest::fi::release(p); }
+void operator delete(void* p, std::size_t) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p, std::size_t) noexcept { kvtest::fi::release(p); }
+void operator delete(void* p, std::align_val_t) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { kvtest::fi::release(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { kvtest::fi::release(p); }
