@@ -6,6 +6,8 @@
 
 #include "api_harness.hpp"
 
+// Linked with the libFuzzer runtime after this object (tests/fuzz/CMakeLists.txt), so that
+// this object's exception-safe std::set<unsigned> node copier is the one the link keeps.
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     return kvapi::run_one(data, size);
 }

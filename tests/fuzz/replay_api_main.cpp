@@ -37,9 +37,10 @@ int main(int argc, char** argv) {
     }
     const auto& s = kvapi::stats;
     std::printf("test_fuzz_api_replay: %zu inputs, %llu operations (%llu accepted, %llu refused, %llu injected "
-                "allocation failures), no finding\n",
+                "allocation failures, %llu paged loads refused for blocks), no finding\n",
                 n, static_cast<unsigned long long>(s.ops), static_cast<unsigned long long>(s.accepted),
-                static_cast<unsigned long long>(s.refused), static_cast<unsigned long long>(s.alloc_failures));
+                static_cast<unsigned long long>(s.refused), static_cast<unsigned long long>(s.alloc_failures),
+                static_cast<unsigned long long>(s.paged_load_no_space));
     // The corpus must reach every kind of outcome, or it has stopped testing something.
     return n > 0 && s.accepted > 0 && s.refused > 0 && s.alloc_failures > 0 ? 0 : 1;
 }
