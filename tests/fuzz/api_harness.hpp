@@ -38,6 +38,7 @@
 #include <map>
 #include <new>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -190,12 +191,26 @@ struct run {
     pos_t model_max(seq_id_t s) { return seq(s).empty() ? -1 : seq(s).rbegin()->first; }
     pos_t model_min(seq_id_t s) { return seq(s).empty() ? -1 : seq(s).begin()->first; }
 
+    /// Position, first K and first V value of every token of every sequence (failure reports).
+    static std::string rows(const std::vector<model_seq>& seqs) {
+        std::ostringstream os;  // not operator+ chains: GCC 12 reports a false -Wrestrict on those
+        for (std::size_t s = 0; s < seqs.size(); ++s) {
+            os << 's' << s << ':';
+            for (const auto& [p, t] : seqs[s]) {
+                os << ' ' << p << '=';
+                if (t.k.empty() || t.k[0].empty() || t.v.empty() || t.v[0].empty()) os << '?';
+                else os << t.k[0][0] << '/' << t.v[0][0];
+            }
+            os << ';';
+        }
+        return os.str();
+    }
     void check_all() {
         for_parts(mem, [&](std::size_t p, const auto& c, std::uint32_t) {
             const auto seen = kvtest::observe(c);
             if (!kvtest::same(seen, model[p].seqs))
                 fail("part " + std::to_string(p) + " differs from the model (cache | model): " +
-                     kvtest::diff(seen, model[p].seqs));
+                     kvtest::diff(seen, model[p].seqs) + " first K/V values: " + rows(seen) + " | " + rows(model[p].seqs));
             if constexpr (requires { c.storage().check_invariants(c.cells()); }) {
                 const std::string bad = c.storage().check_invariants(c.cells());
                 if (!bad.empty()) fail("tables: " + bad);
@@ -357,6 +372,15 @@ struct run {
         bool placed_any = false;
         for (int u = 0; u < n_ubatch; ++u) {
             const ubatch b = decode_batch(in);
+            {
+                std::ostringstream os;
+                os << "place";
+                for (std::size_t i = 0; i < b.pos.size(); ++i) {
+                    os << ' ' << b.pos[i] << '@';
+                    b.seqs[i].for_each([&](seq_id_t q) { os << q; });
+                }
+                op = os.str();
+            }
             using placed_t = std::conditional_t<is_iswa<M>, iswa_placement, placement>;
             placed_t placed;
             const bool ok = attempt(
@@ -367,7 +391,9 @@ struct run {
                     placed = std::move(r.value());
                     return std::nullopt;
                 },
-                [&](const call_result& r) { return b.valid ? room_or_history(r) : invalid(r); });
+                // iswa_cache asks its ring part for room before the full part checks the
+                // batch rules: an invalid batch that does not fit may read no_space there.
+                [&](const call_result& r) { return b.valid ? room_or_history(r) : invalid(r) || (is_iswa<M> && room_or_history(r)); });
             if (!ok) break;
             if (!b.valid) fail("a batch breaking the position rule was accepted");
             placed_any = true;
@@ -377,7 +403,7 @@ struct run {
         const bool do_commit = (in.byte() & 3) != 0;
         const long arm2 = (in.byte() & 3) == 0 ? 1 + in.upto(16) : 0;
         if (do_commit) {
-            op = "commit";
+            op += " + commit";
             bool done = false;
             const bool ok = attempt(arm2, [&]() -> std::optional<errc> {
                 done = mem.commit() == tx_result::committed;
@@ -393,7 +419,7 @@ struct run {
                 if (windows[p] != 0 && placed_any) model[p].prune(windows[p]);
             }
         } else {
-            op = "restore";
+            op += " + restore";
             if ((mem.restore() == tx_result::restored) != placed_any) fail("restore() result");
             for (auto& m : model) m.restore();
         }
