@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Fuzzes the kvcache state loader with libFuzzer for a bounded time.
+# Fuzzes kvcache with libFuzzer for a bounded time.
 #
-#   tests/fuzz/run_fuzz.sh [seconds=60] [extra libFuzzer flags...]
+#   [KVFUZZ_TARGET=state|api] tests/fuzz/run_fuzz.sh [seconds=60] [extra libFuzzer flags...]
 #
-# Configures a clang build in build-fuzz/ (its own directory, OpenMP off), builds
-# kvcache_fuzz_state with -fsanitize=fuzzer,address,undefined and runs it on a copy of
-# tests/fuzz/corpus (the seeds stay untouched). KVFUZZ_JOBS=N runs N parallel workers.
+# KVFUZZ_TARGET=state (default): the state loader (kvcache_fuzz_state, seeds in
+# tests/fuzz/corpus, regressions in tests/fuzz/regressions). KVFUZZ_TARGET=api: random
+# operation sequences with injected allocation failures against the reference model
+# (kvcache_fuzz_api, seeds and regressions in tests/fuzz/api_corpus).
+# Configures a clang build in build-fuzz/ (its own directory, OpenMP off), builds the
+# target with -fsanitize=fuzzer,address,undefined and runs it on a copy of the seeds
+# (they stay untouched). KVFUZZ_JOBS=N runs N parallel workers.
 # A finding is written to build-fuzz/artifacts/ and the script fails: add the file to
-# tests/fuzz/regressions/ (test_fuzz_replay then runs it in every build) and fix the bug.
+# tests/fuzz/regressions/ (state) or tests/fuzz/api_corpus/ (api), so that
+# test_fuzz_replay / test_fuzz_api_replay run it in every build, and fix the bug.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 seconds="${1:-60}"
@@ -20,13 +25,20 @@ if [ -z "$cxx" ]; then
 fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
   -DKVCACHE_USE_OPENMP=OFF -DKVCACHE_BUILD_BENCH=OFF -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_INSTALL=OFF >/dev/null
-cmake --build "$build" --target kvcache_fuzz_state
-mkdir -p "$build/corpus" "$build/artifacts"
-cp -n tests/fuzz/corpus/* "$build/corpus/" 2>/dev/null || true
+target="${KVFUZZ_TARGET:-state}"
+case "$target" in
+  state) exe=kvcache_fuzz_state; seeds=tests/fuzz/corpus; extra_dirs=(tests/fuzz/regressions); what="the state loader"; max_len=8192 ;;
+  api) exe=kvcache_fuzz_api; seeds=tests/fuzz/api_corpus; extra_dirs=(); what="the API (operation sequences, injected allocation failures)"; max_len=1024 ;;
+  *) echo "run_fuzz.sh: KVFUZZ_TARGET must be state or api, not '$target'" >&2; exit 1 ;;
+esac
+cmake --build "$build" --target "$exe"
+corpus="$build/corpus-$target"
+mkdir -p "$corpus" "$build/artifacts"
+cp -n "$seeds"/* "$corpus/" 2>/dev/null || true
 jobs="${KVFUZZ_JOBS:-1}"
 parallel=()
 if [ "$jobs" -gt 1 ]; then parallel=("-fork=$jobs" "-ignore_crashes=0"); fi
-echo "run_fuzz.sh: fuzzing the state loader for ${seconds}s (${jobs} worker(s))"
-"$build/tests/fuzz/kvcache_fuzz_state" "$build/corpus" tests/fuzz/regressions \
-  -max_total_time="$seconds" -artifact_prefix="$build/artifacts/" -print_final_stats=1 \
-  -max_len=8192 "${parallel[@]}" "$@"
+echo "run_fuzz.sh: fuzzing $what for ${seconds}s (${jobs} worker(s))"
+"$build/tests/fuzz/$exe" "$corpus" "${extra_dirs[@]}" \
+  -max_total_time="$seconds" -artifact_prefix="$build/artifacts/$target-" -print_final_stats=1 \
+  -max_len="$max_len" "${parallel[@]}" "$@"

@@ -397,7 +397,8 @@ public:
     [[nodiscard]] result<void> seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
         check_no_tx("seq_rm");
         check_seq("seq_rm", "seq_id", s, true);
-        const auto [lo, hi] = range("seq_rm", p0, p1);
+        const pos_range rg = range("seq_rm", p0, p1);  // no structured binding: clang 14 cannot capture one
+        const std::int64_t lo = rg.lo, hi = rg.hi;
         if constexpr (has_capability<storage_t, layout_caps::seq_rm_check>)
             if (result<void> r = storage_.check_seq_rm(cells_, s, lo, hi); !r) return r;  // layout capability
         std::vector<std::uint32_t> hit;
@@ -422,7 +423,8 @@ public:
         check_no_tx("seq_cp");
         check_seq("seq_cp", "src", src, false);
         check_seq("seq_cp", "dst", dst, false);
-        const auto [lo, hi] = range("seq_cp", p0, p1);
+        const pos_range rg = range("seq_cp", p0, p1);  // no structured binding: clang 14 cannot capture one
+        const std::int64_t lo = rg.lo, hi = rg.hi;
         if (src == dst) return {};
         std::vector<std::uint32_t> hit;
         for (std::uint32_t c : cells_.used_cells()) {
@@ -476,7 +478,8 @@ public:
     [[nodiscard]] result<void> seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t delta) {
         check_no_tx("seq_add");
         check_seq("seq_add", "seq_id", s, true);
-        const auto [lo, hi] = range("seq_add", p0, p1);
+        const pos_range rg = range("seq_add", p0, p1);  // no structured binding: clang 14 cannot capture one
+        const std::int64_t lo = rg.lo, hi = rg.hi;
         require_shift("seq_add");
         if (delta == 0) return {};
         return atomically(
@@ -488,7 +491,8 @@ public:
     [[nodiscard]] result<void> seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
         check_no_tx("seq_div");
         check_seq("seq_div", "seq_id", s, true);
-        const auto [lo, hi] = range("seq_div", p0, p1);
+        const pos_range rg = range("seq_div", p0, p1);  // no structured binding: clang 14 cannot capture one
+        const std::int64_t lo = rg.lo, hi = rg.hi;
         if (d <= 0) detail::fail(errc::invalid_argument, "seq_div: d = " + std::to_string(d) + ", must be > 0");
         require_shift("seq_div");
         if (d == 1) return {};

@@ -6,6 +6,9 @@
 #include <atomic>     // kshift_plan's item count
 #include <cstddef>    // std::size_t
 #include <cstdint>    // fixed-width integers
+#include <functional>  // std::function (composite K-shift)
+#include <memory>      // std::shared_ptr
+#include <type_traits>  // std::remove_reference_t
 #include <string>     // messages
 #include <vector>     // per-call tables
 
@@ -197,6 +200,23 @@ struct units {
         }
     }
 };
+
+/// Rotates every unit of un (one parallel region) and clears the pending shifts; allocates
+/// nothing, so a K-shift whose units were built completes.
+template <class Cache>
+void run_units(Cache& cache, const units<Cache>& un, int n_threads) {
+    if (un.n_units > 0) {
+        const std::int64_t n_items = un.n_units;
+        const int threads = resolve_threads(n_threads);
+        static_cast<void>(threads);
+        // The units are split into one contiguous range per thread inside one parallel
+        // region (a region per layer and head cost a wake-up of every thread each time:
+        // with passive waiting, 16 threads spent a third of the call asleep).
+        KVCACHE_OMP(parallel for schedule(static) num_threads(threads) if (threads > 1))
+        for (std::int64_t item = 0; item < n_items; ++item) un.rotate(item);
+    }
+    cache.clear_shifts();
+}
 }  // namespace detail_kshift
 
 /// K-shift (F6): rotates the cached K of every layer by each cell's pending delta
@@ -212,7 +232,8 @@ struct units {
 /// Throws unsupported, before any change, if a pending move crosses LongRoPE's n_ctx_orig
 /// (seq_add / seq_div refuse those, so only a cache rebuilt by hand can hold one).
 /// Refused (kvcache::error transaction_open, nothing changed) while placements are staged.
-/// (kshift_plan runs the same work on the caller's threads.)
+/// Complete or nothing: everything it allocates (std::bad_alloc) is allocated before the
+/// first K row changes. (kshift_plan runs the same work on the caller's threads.)
 template <class Cache>
 void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_path::simd) {
     static_assert(kv_memory<Cache>, "kvcache: ops::apply_k_shift needs a kvcache::kv_memory or a "
@@ -220,18 +241,8 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
     if (cache.in_transaction())  // restore() would put back metadata of K already rotated
         kvcache::detail::fail(errc::transaction_open, "apply_k_shift: placements are staged; commit() or restore() first");
     if (!cache.has_shift()) return;
-    const detail_kshift::units<Cache> un(cache, n_threads, path);
-    if (un.n_units > 0) {
-        const std::int64_t n_items = un.n_units;
-        const int threads = resolve_threads(n_threads);
-        static_cast<void>(threads);
-        // The units are split into one contiguous range per thread inside one parallel
-        // region (a region per layer and head cost a wake-up of every thread each time:
-        // with passive waiting, 16 threads spent a third of the call asleep).
-        KVCACHE_OMP(parallel for schedule(static) num_threads(threads) if (threads > 1))
-        for (std::int64_t item = 0; item < n_items; ++item) un.rotate(item);
-    }
-    cache.clear_shifts();
+    const detail_kshift::units<Cache> un(cache, n_threads, path);  // everything it allocates
+    detail_kshift::run_units(cache, un, n_threads);
 }
 
 /// ops::apply_k_shift cut into work items that the caller runs (host-driven
@@ -292,10 +303,26 @@ private:
 };
 
 /// K-shift of a memory made of several caches (iswa_cache): every part's pending shift.
+/// Complete or nothing over all parts: every part is checked (staged placements, LongRoPE
+/// moves) and its work allocated before the first part is rotated, so a refusal or a
+/// std::bad_alloc leaves every part as it was.
 template <class Memory>
     requires composite_memory<Memory>
 void apply_k_shift(Memory& mem, int n_threads = 0, kernel_path path = kernel_path::simd) {
-    mem.for_each_part(kvcache::detail::internal_access{}, [&](auto& part) { apply_k_shift(part, n_threads, path); });
+    std::size_t n_parts = 0;
+    mem.for_each_part([&](const auto&) { ++n_parts; });
+    std::vector<std::function<void()>> rotations;  // one per part, built before any runs
+    rotations.reserve(n_parts);
+    mem.for_each_part(kvcache::detail::internal_access{}, [&](auto& part) {
+        using part_t = std::remove_reference_t<decltype(part)>;
+        if (part.in_transaction())
+            kvcache::detail::fail(errc::transaction_open,
+                                  "apply_k_shift: placements are staged; commit() or restore() first");
+        if (!part.has_shift()) return;
+        auto un = std::make_shared<const detail_kshift::units<part_t>>(part, n_threads, path);
+        rotations.emplace_back([&part, un, n_threads] { detail_kshift::run_units(part, *un, n_threads); });
+    });
+    for (auto& r : rotations) r();  // allocates nothing: std::function keeps its callable
 }
 
 }  // namespace ops

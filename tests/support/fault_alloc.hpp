@@ -1,0 +1,77 @@
+// Test helper: an operator new that throws std::bad_alloc at the N-th allocation after
+// arming (fault injection). It replaces the global operator new / delete: include this
+// header in exactly one translation unit of an executable.
+#pragma once
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+namespace kvtest::fi {
+inline std::atomic<long> countdown{0};  // > 0: armed; the allocation that brings it to 0 throws
+inline std::atomic<long> injected{0};   // failures injected so far
+inline std::atomic<long> live{0};       // allocations not freed yet (a leak check)
+inline bool fail_now() noexcept {
+    long c = countdown.load(std::memory_order_relaxed);
+    if (c <= 0) return false;
+    if (countdown.fetch_sub(1, std::memory_order_relaxed) == 1) {
+        injected.fetch_add(1, std::memory_order_relaxed);
+        return true;
+    }
+    return false;
+}
+inline void* alloc(std::size_t n) {
+    if (fail_now()) throw std::bad_alloc();
+    if (void* p = std::malloc(n == 0 ? 1 : n)) {
+        live.fetch_add(1, std::memory_order_relaxed);
+        return p;
+    }
+    throw std::bad_alloc();
+}
+inline void* alloc_aligned(std::size_t n, std::align_val_t a) {
+    if (fail_now()) throw std::bad_alloc();
+    const auto al = static_cast<std::size_t>(a);
+    const std::size_t sz = (n == 0 ? al : (n + al - 1) / al * al);
+    if (void* p = std::aligned_alloc(al, sz)) {
+        live.fetch_add(1, std::memory_order_relaxed);
+        return p;
+    }
+    throw std::bad_alloc();
+}
+inline void release(void* p) noexcept {
+    if (p != nullptr) live.fetch_sub(1, std::memory_order_relaxed);
+    std::free(p);
+}
+/// The n-th allocation from now throws (n >= 1).
+inline void arm(long n) { countdown.store(n); }
+inline void disarm() { countdown.store(0); }
+/// Whether the armed failure has not happened yet.
+inline bool armed() { return countdown.load() > 0; }
+}  // namespace kvtest::fi
+
+void* operator new(std::size_t n) { return kvtest::fi::alloc(n); }
+void* operator new[](std::size_t n) { return kvtest::fi::alloc(n); }
+void* operator new(std::size_t n, std::align_val_t a) { return kvtest::fi::alloc_aligned(n, a); }
+void* operator new[](std::size_t n, std::align_val_t a) { return kvtest::fi::alloc_aligned(n, a); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+    try {
+        return kvtest::fi::alloc(n);
+    } catch (...) {
+        return nullptr;
+    }
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+    try {
+        return kvtest::fi::alloc(n);
+    } catch (...) {
+        return nullptr;
+    }
+}
+void operator delete(void* p) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p) noexcept { kvtest::fi::release(p); }
+void operator delete(void* p, std::size_t) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p, std::size_t) noexcept { kvtest::fi::release(p); }
+void operator delete(void* p, std::align_val_t) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { kvtest::fi::release(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { kvtest::fi::release(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { kvtest::fi::release(p); }
