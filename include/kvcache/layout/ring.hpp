@@ -103,6 +103,7 @@ struct ring {
               n_seq_(s.n_seq_max),
               tables_(std::make_unique<detail::ring_tables>(s.n_cells, s.n_seq_max, s.n_cells / s.n_seq_max)) {
             scratch_.reserve(s.n_cells);
+            moves_.reserve(s.n_cells);
         }
 
         /// Cells per sequence region (R above).
@@ -193,8 +194,13 @@ struct ring {
         }
 
         /// Prunes, for every sequence, the cells below its window (max position - Window + 1).
+        /// The moves' K/V copies run last, in order, once every bookkeeping step (which may
+        /// allocate and throw; the cache then restores its checkpoint) has succeeded: a cell a
+        /// move frees can be the destination of a later one, so copying as it goes would leave
+        /// a restored cell holding another cell's K/V.
         void on_commit(cell_table& cells) {
             tables_->settle();
+            moves_.clear();
             for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_); ++s) {
                 if (tables_->cells_of(s).empty()) continue;
                 const pos_t lim = cells.seq_pos_max(s) - static_cast<pos_t>(Window) + 1;
@@ -225,6 +231,7 @@ struct ring {
             for (std::uint32_t r = 0; r < n_seq_; ++r)  // foreign cells left by sequence operations
                 for (std::uint32_t c = r * region_; tables_->foreign_in(r) != 0 && c < (r + 1) * region_; ++c)
                     if (!cells.is_free(c) && !cells.seqs(c).test(static_cast<seq_id_t>(r))) rehome(cells, c);
+            for (const auto& [from, to] : moves_) this->copy_cell(from, to);  // noexcept
         }
 
         /// Refuses (an errc::unsupported result) a seq_rm that needs positions the window already dropped.
@@ -373,7 +380,8 @@ struct ring {
 
         /// Moves foreign cell f (its region's sequence left it) with all its holders to a free
         /// cell in the region of one of them, lowest first: K/V of every layer, position and
-        /// pending shift. Stays put when those regions are full.
+        /// pending shift (its K/V copy is queued in moves_, see on_commit). Stays put when
+        /// those regions are full.
         void rehome(cell_table& cells, std::uint32_t f) {
             const seq_set holders = cells.seqs(f);
             std::uint32_t t = no_cell;
@@ -381,7 +389,7 @@ struct ring {
                 if (t == no_cell) t = free_cell(cells, static_cast<std::uint32_t>(u), cells.pos(f), nullptr);
             });
             if (t == no_cell) return;
-            this->copy_cell(f, t);
+            moves_.emplace_back(f, t);
             cells.occupy(t, cells.pos(f), holders, cells.ext(f));
             cells.set_shift(t, cells.shift(f));
             cells.free_cell(f);
@@ -423,6 +431,7 @@ struct ring {
         std::uint32_t n_seq_;   // sequence ids are in [0, n_seq_)
         std::unique_ptr<detail::ring_tables> tables_;  // never null; address stable across moves
         std::vector<std::uint32_t> scratch_;           // cells to prune (reserved: no allocation in on_commit)
+        std::vector<std::pair<std::uint32_t, std::uint32_t>> moves_;  // on_commit's K/V copies (from, to)
     };
 };
 

@@ -275,6 +275,7 @@ public:
         checkpoint& cp = first ? tx_cp_ : op_cp_;
         save_checkpoint(cp);
         const std::size_t staged_before = staged_.size();
+        const std::size_t backups_before = tx_backup_.size();
         const std::uint32_t head_in = head_;
         try {
             placement out;
@@ -291,6 +292,12 @@ public:
             } else {
                 out.cells = find_free_cells(n);
                 if (first) cp.head = head_;  // restore() keeps the search restart (F3), as before
+            }
+            // A cell an earlier copy-on-write of this transaction emptied is free now but held
+            // K/V when the transaction began: keep its bytes, so restore() can put them back.
+            if (!first) {
+                for (const std::uint32_t c : out.cells) backup_if_held_at_tx_start(c);
+                for (const cell_copy& c : copies) backup_if_held_at_tx_start(c.dst);
             }
             staged_.reserve(staged_.size() + n + copies.size());
             for (const cell_copy& c : copies) {  // c.seq moves from c.src to its own copy c.dst
@@ -310,6 +317,7 @@ public:
         } catch (...) {
             load_checkpoint(cp);
             staged_.resize(staged_before);
+            tx_backup_.resize(backups_before);
             head_ = head_in;
             throw;
         }
@@ -346,6 +354,7 @@ public:
             }
         }
         staged_.clear();
+        tx_backup_.clear();
         return tx_result::committed;
     }
 
@@ -357,6 +366,8 @@ public:
         if (staged_.empty()) return tx_result::nothing_staged;
         load_checkpoint(tx_cp_);
         staged_.clear();
+        for (const cell_backup& b : tx_backup_) put_cell_bytes(b);  // raw copies: never throws
+        tx_backup_.clear();
         return tx_result::restored;
     }
 
@@ -507,6 +518,7 @@ public:
             return {};
         }));
         staged_.clear();
+        tx_backup_.clear();
         head_ = 0;
     }
 
@@ -773,10 +785,43 @@ private:
         return {};
     }
 
+    /// K and V bytes of one cell, every layer (a cell's state at the start of a transaction).
+    struct cell_backup {
+        std::uint32_t cell = 0;
+        std::vector<storage_type> bytes;  // per layer: K (head, d), then V (head, d)
+    };
+    void backup_if_held_at_tx_start(std::uint32_t c) {
+        if (!tx_cp_.cells || tx_cp_.cells->is_free(c)) return;
+        for (const cell_backup& b : tx_backup_)
+            if (b.cell == c) return;  // the first copy is the transaction's start
+        cell_backup b;
+        b.cell = c;
+        b.bytes.reserve(std::size_t{shape_.n_layer} * shape_.n_head_kv * (shape_.head_dim_k + shape_.dim_v()));
+        for (std::uint32_t l = 0; l < shape_.n_layer; ++l) {
+            const auto v = storage_.view(l);
+            for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
+                for (std::uint32_t d = 0; d < shape_.head_dim_k; ++d) b.bytes.push_back(v.k[v.k_offset(h, c, d)]);
+            for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
+                for (std::uint32_t d = 0; d < shape_.dim_v(); ++d) b.bytes.push_back(v.v[v.v_offset(h, c, d)]);
+        }
+        tx_backup_.push_back(std::move(b));
+    }
+    void put_cell_bytes(const cell_backup& b) noexcept {
+        std::size_t i = 0;
+        for (std::uint32_t l = 0; l < shape_.n_layer; ++l) {
+            const auto v = storage_.view(l);
+            for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
+                for (std::uint32_t d = 0; d < shape_.head_dim_k; ++d) v.k[v.k_offset(h, b.cell, d)] = b.bytes[i++];
+            for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
+                for (std::uint32_t d = 0; d < shape_.dim_v(); ++d) v.v[v.v_offset(h, b.cell, d)] = b.bytes[i++];
+        }
+    }
+
     model_shape shape_;
     cell_table cells_;
     storage_t storage_;
     std::vector<std::uint32_t> staged_;  // cells placed since the last commit, in order
+    std::vector<cell_backup> tx_backup_;  // cells given out again in this transaction (restore())
     std::uint32_t head_ = 0;             // where the next slot search starts (F3)
     checkpoint tx_cp_;                   // the state before the first staged placement (restore())
     checkpoint op_cp_;                   // the state before the running operation (its rollback)
