@@ -1,7 +1,7 @@
 // attention() allocates nothing once its workspace has seen a call of the same shape
 // (issue: kernels never allocate on the hot path), for the contiguous and the paged
 // layout (whose per-sequence tile ranges go into the workspace). Counted with a
-// replacement of the global (unaligned) operator new / delete for this test binary.
+// replacement of the global (unaligned) operator new / delete, every form, for this test binary.
 #include <doctest/doctest.h>
 
 #include <kvcache/kvcache.hpp>
@@ -30,8 +30,20 @@ void* operator new(std::size_t n) {
     if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
     throw std::bad_alloc();
 }
+void* operator new[](std::size_t n) { return ::operator new(n); }
+// The nothrow forms too (std::stable_sort's temporary buffer uses them): every unaligned
+// allocation then comes from malloc and goes back through free.
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+    g_news.fetch_add(1, std::memory_order_relaxed);
+    return std::malloc(n == 0 ? 1 : n);
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return ::operator new(n, t); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 
