@@ -13,6 +13,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -187,6 +188,31 @@ TEST_CASE("paged: copy-on-write inside a transaction is undone exactly by restor
     CHECK(kvtest::diff(kvtest::observe(cache), before) == "");
     CHECK(refcounts(cache) == rc);
     CHECK(cache.storage().block_table(1) == tables);
+}
+
+TEST_CASE("paged: restore puts back a shared cell that copy-on-write emptied and a later placement reused") {
+    // Sequences 1 and 2 share cells 0-1; both append in one transaction (each copies them
+    // to a block of its own, which empties block 0), then sequence 0's first token is given
+    // a cell of block 0 and its K/V are written there. restore() must bring back the shared
+    // cells' bytes, not only their metadata (found by the API fuzzer).
+    cache_t cache(kvtest::layout_shape(128, 3));
+    kvtest::layout_model model(3);
+    std::mt19937 rng(5);
+    REQUIRE(kvtest::append(cache, model, 1, 0, 2, rng));
+    cache.commit();
+    REQUIRE(cache.seq_cp(1, 2, -1, -1));
+    const auto before = kvtest::observe(cache);
+    const auto rc = refcounts(cache);
+    const std::vector<pos_t> pos{2, 2};
+    const std::vector<seq_id_t> seq{1, 2};
+    REQUIRE(cache.place(std::span<const pos_t>(pos), std::span<const seq_id_t>(seq)));  // one batch: both copy
+    CHECK(cache.cells().is_free(0));  // both sequences left the shared cells
+    REQUIRE(kvtest::append(cache, model, 0, 0, 1, rng));
+    CHECK(cache.cells().seqs(0).test(0));  // ... and the placement reused one of them
+    CHECK(cache.restore() == tx_result::restored);
+    check_inv(cache);
+    CHECK(kvtest::diff(kvtest::observe(cache), before) == "");
+    CHECK(refcounts(cache) == rc);
 }
 
 TEST_CASE("paged: seq_add on a shared prefix gives the moving sequence blocks of its own") {
