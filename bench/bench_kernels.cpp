@@ -199,6 +199,16 @@ void report(benchmark::State& state, const kernel_timer& timer, double bytes, do
     state.counters["peak_frac"] = fmas * iters / secs / fma_peak;
 }
 
+// Decode tokens per second that attention alone would allow in a 32-layer model of the
+// benchmark's shape (32 query heads, 8 KV heads, head dim 128: Llama 3 8B): `tokens`
+// sequences each get one token per step, a step runs one call like this per layer.
+// Attention only: the weights' matrix products come on top (they read ~16 GB per step
+// at f16 for 8B parameters, so a real engine's rate is far lower until the context is
+// long); next to bw_frac it says what the GB/s mean for a user.
+double tokens_per_s_32_layers(double tokens, double seconds_per_call) {
+    return tokens / (32.0 * (seconds_per_call > 0.0 ? seconds_per_call : 1e-30));
+}
+
 // Runs the paired yardstick on `work` outside the benchmark's timed region.
 void pair(benchmark::State& state, kb::paired_yardstick& yard, double work) {
     state.PauseTiming();
@@ -240,6 +250,8 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
     }
     const double fmas = 2.0 * n_kv * nh * head_dim;
     report(state, timer, bytes, 0.0, fmas, yard.rate(), 0.0, threads);
+    if (path == kvcache::ops::kernel_path::simd && hkv == n_head_kv_default)
+        state.counters["attn_tok_s_32l"] = tokens_per_s_32_layers(1.0, timer.total / static_cast<double>(state.iterations()));
 }
 
 // ---------------------------------------------------------------- decode's access pattern, no arithmetic
@@ -510,6 +522,7 @@ void attn_multi_vs_separate(benchmark::State& state, const std::vector<std::uint
     state.counters["ms_separate"] = t_sep.total / iters * 1e3;
     state.counters["GBps"] = static_cast<double>(seq_bytes) * iters / tm * 1e-9;
     if (fmas > 0.0) state.counters["peak_frac"] = fmas * iters / tm / kb::measure_fma_peak(threads, true);
+    state.counters["attn_tok_s_32l"] = tokens_per_s_32_layers(static_cast<double>(rows_of.size()), tm / iters);
 }
 
 // attn_decode_multi: n_seq sequences of n_kv cells, one decode row each.
@@ -547,6 +560,50 @@ void attn_decode_shared(benchmark::State& state, std::uint32_t n_seq, std::uint3
     attn_multi_vs_separate<E, Layout>(state, cells, rows, threads, fmas, prefix);
 }
 
+// The cost of deterministic mode (issue 26, item 6): one decode row of one sequence,
+// each iteration running the call once with p.deterministic = true (timed) and once with
+// false (timed on its own), on the same cache and layer, so both see the same machine
+// state. Counter det_cost: deterministic seconds / non-deterministic seconds (1.0: free).
+// The two modes differ in the split-K rule (deterministic: parts of >= 4096 cells, a
+// function of the cells; otherwise: parts chosen for the threads) and in how a small slot
+// group sums its scores; bw_frac is the deterministic run's.
+template <class E>
+void attn_decode_det(benchmark::State& state, std::uint32_t n_kv, int threads) {
+    using T = typename E::storage_type;
+    const std::size_t layer_bytes = std::size_t{n_kv} * n_head_kv_default * head_dim * 2 * sizeof(T);
+    const std::uint32_t n_layer = cold_layers(layer_bytes);
+    cache_t<E>* const cache = &shared_cache<E>(n_kv, n_kv, n_layer, n_head_kv_default);
+    const auto q = random_q(std::size_t{n_head} * head_dim);
+    std::vector<float> out(std::size_t{n_head} * head_dim), out_free(out.size());
+    const pos_t qp = static_cast<pos_t>(n_kv);
+    const seq_id_t qs = 0;
+    kvcache::ops::attention_params det, free_p;
+    det.n_head = free_p.n_head = n_head;
+    det.n_threads = free_p.n_threads = threads;
+    det.deterministic = true;
+    free_p.deterministic = false;
+    kvcache::ops::attention_workspace ws, ws_free;
+    kvcache::ops::attention(*cache, 0, q.data(), &qp, &qs, 1, det, out.data(), ws);  // size the workspaces
+    kvcache::ops::attention(*cache, 0, q.data(), &qp, &qs, 1, free_p, out_free.data(), ws_free);
+    std::uint32_t layer = 0;
+    kernel_timer timer, free_timer;
+    kb::paired_yardstick yard(kb::yardstick_kind::read, threads);
+    const double bytes = static_cast<double>(layer_bytes);
+    for (auto _ : state) {
+        timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, det, out.data(), ws); });
+        state.PauseTiming();
+        free_timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, free_p, out_free.data(), ws_free); });
+        benchmark::DoNotOptimize(out_free.data());
+        yard.add(bytes);
+        state.ResumeTiming();
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        layer = layer + 1 == n_layer ? 0 : layer + 1;
+    }
+    report(state, timer, bytes, 0.0, 2.0 * n_kv * n_head * head_dim, yard.rate(), 0.0, threads);
+    state.counters["det_cost"] = timer.total / (free_timer.total > 0.0 ? free_timer.total : 1e-30);
+}
+
 template <class E>
 void register_multi() {
     const std::string t(E::name);
@@ -572,6 +629,10 @@ void register_multi() {
         benchmark::RegisterBenchmark(("attn_decode_shared/" + t + "/n_seq:16/prefix:8192/own:256/paged" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_decode_shared<E, paged>(st, 16, 8192, 256, th); })
             ->UseRealTime()->Unit(benchmark::kMillisecond);
+        for (std::uint32_t n : {2048u, 16384u})
+            benchmark::RegisterBenchmark(("attn_decode_det/" + t + "/n_kv:" + std::to_string(n) + ts).c_str(),
+                                         [n, th](benchmark::State& st) { attn_decode_det<E>(st, n, th); })
+                ->UseRealTime()->Unit(benchmark::kMicrosecond);
     }
 }
 

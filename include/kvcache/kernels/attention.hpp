@@ -65,12 +65,16 @@ struct tile_meta {
     pos_t pmin = 0, pmax = -1;  ///< smallest / largest position among occupied cells
     std::int32_t sid = -1;      ///< -1 no occupied cell, s: every occupied cell is used by s only, -2 otherwise
     tile_mask occ = 0;          ///< bit j: cell 32t+j is occupied (and below n)
+    /// >= 0: every occupied cell has the sequence set of cell `uniform` (a prefix forked to
+    /// several sequences), so one membership test answers for the whole tile; -1 otherwise.
+    std::int32_t uniform = -1;
 };
 
 /// Per-call cell metadata the kernel masks with (cells [0, n)), built by the op.
 /// Seqs is the op's view of the cells' sequence membership (kernels/ knows no cell
 /// type): `seqs.test(c, s)` is true when cell c is used by sequence s; the kernel asks
-/// only for cells of tiles that mix sequences (tile_meta::sid == -2).
+/// only for cells of tiles that mix sequences (tile_meta::sid == -2), and for a tile whose
+/// cells all share one set (tile_meta::uniform) only once.
 template <class Seqs>
 struct attn_meta {
     const pos_t* pos = nullptr;        ///< cell positions (-1 free)
@@ -96,14 +100,20 @@ template <class Seqs>
     if (tm.occ == 0 || (tm.sid >= 0 && tm.sid != s.qs) || tm.pmin > s.qp) return 0;
     const std::int64_t lo = window > 0 ? std::int64_t{s.qp} - window : std::int64_t{-1};  // visible: pos > lo
     if (tm.pmax <= lo) return 0;
-    if (tm.sid == s.qs && tm.pmax <= s.qp && tm.pmin > lo) return tm.occ;
+    const bool all_in_range = tm.pmax <= s.qp && tm.pmin > lo;
+    if (tm.sid == s.qs && all_in_range) return tm.occ;
+    // One sequence set for every cell (the slot's own tile, or a shared prefix's): the
+    // membership is one test, and only the positions can still differ cell by cell.
+    const bool uniform = tm.sid == s.qs || tm.uniform >= 0;
+    if (uniform && tm.sid < 0 && !m.seqs.test(static_cast<std::uint32_t>(tm.uniform), s.qs)) return 0;
+    if (uniform && all_in_range) return tm.occ;
     tile_mask mask = 0;
     for (tile_mask bits = tm.occ; bits != 0; bits &= bits - 1) {
         const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
         const std::uint32_t c = t * k_tile + j;
         const pos_t p = m.pos[c];
         if (p > s.qp || p <= lo) continue;
-        if (m.seqs.test(c, s.qs)) mask |= 1u << j;
+        if (uniform || m.seqs.test(c, s.qs)) mask |= 1u << j;
     }
     return mask;
 }

@@ -37,6 +37,7 @@ inline kernels::tile_meta summarise_tile(const cell_table& cells, std::uint32_t 
     const seq_set* seqs = cells.seq_data();
     kernels::tile_meta tm;
     const seq_set* first = nullptr;
+    std::uint32_t first_c = 0;
     bool same = true;
     uni = seq_set{};
     const std::uint32_t c0 = t * k_tile;
@@ -46,6 +47,7 @@ inline kernels::tile_meta summarise_tile(const cell_table& cells, std::uint32_t 
         if (tm.occ == 0) {
             tm.pmin = tm.pmax = pos[c];
             first = &seqs[c];
+            first_c = c;
             uni = seqs[c];
         } else {
             tm.pmin = std::min(tm.pmin, pos[c]);
@@ -60,6 +62,7 @@ inline kernels::tile_meta summarise_tile(const cell_table& cells, std::uint32_t 
     if (tm.occ != 0) {
         tm.sid = -2;
         if (same && first->count() == 1) first->for_each([&](seq_id_t q) { tm.sid = q; });
+        if (same) tm.uniform = static_cast<std::int32_t>(first_c);
     }
     return tm;
 }
