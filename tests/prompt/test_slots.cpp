@@ -313,6 +313,25 @@ TEST_CASE("slots: paged layout: idle slot states are evicted to make room, count
         slots.commit_prompt(p.slot);
         CHECK(toy::max_error(cache, p.seq, c, c.size()) == 0.0);
     }
+    SUBCASE("shared_store: an entry and the idle slot it shares blocks with are both evicted") {
+        using store = kvcache::shared_store<paged_t>;
+        paged_t cache(toy::shape(128, 16));
+        kvcache::slot_manager<paged_t, store> slots(cache, {.n_slots = 3}, store(3, 13));
+        run(slots, cache, a, {.slot_id = 0}, 0);  // 2 blocks, shared by slot 0 and its entry
+        REQUIRE(slots.global_cache().size() == 1);
+        const auto active = slots.prepare(b, {.slot_id = 1}).value();
+        toy::fill(cache, active.seq, b, 0, b.size());
+        slots.commit_prompt(active.slot);
+        REQUIRE(cache.storage().free_blocks() == 0);
+        const auto p = slots.prepare(c, {.slot_id = 2}).value();  // evicting either alone frees nothing
+        CHECK(slots.global_cache().size() == 0);
+        CHECK(slots.tokens(0).empty());
+        CHECK(slots.metrics().evictions == 1);
+        CHECK(slots.metrics().slot_states_evicted == 1);
+        CHECK(cache.storage().free_blocks() == 2);
+        toy::fill(cache, p.seq, c, 0, c.size());
+        CHECK(toy::max_error(cache, active.seq, b, b.size()) == 0.0);
+    }
     SUBCASE("a busy slot is never evicted; complete or nothing when even every idle state is not enough") {
         paged_t cache(toy::shape(128, 16));
         kvcache::slot_manager<paged_t> slots(cache, {.n_slots = 3});
