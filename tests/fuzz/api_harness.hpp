@@ -11,7 +11,9 @@
 //
 // The reference is tests/reference/layout_model.hpp (what every sequence holds: position
 // -> K/V rows and pending shift), one per part of the memory (the ring part pruned to its
-// window after every commit). After every operation:
+// window after every commit). After every operation (the comparison reads every cell once
+// into scratch rows and looks it up in the model, allocating nothing in steady state;
+// kvtest::observe / kvtest::same only build the report of a difference):
 //   - accepted: every part's sequences (positions, pending shifts, K/V rows of every
 //     layer) equal the model's, seq_pos_min / seq_pos_max agree, paged and ring tables
 //     match the cells, no transaction is left open;
@@ -29,6 +31,7 @@
 #include <kvcache/layout/paged.hpp>
 #include <kvcache/layout/ring.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -205,12 +208,69 @@ struct run {
         }
         return os.str();
     }
+    /// Whether part cache c holds exactly what model m says (every sequence: the same
+    /// multiset of position, pending shift and K/V rows of every layer). The per-step check:
+    /// reads every cell once into scratch rows and looks it up in the model, allocating
+    /// nothing once the scratch buffers have grown (kvtest::observe + kvtest::same, which
+    /// copy every token into maps and sorted vectors, are the slow path for the report).
+    template <class C>
+    bool matches(const C& c, const layout_model& m) {
+        const model_shape& sh = c.shape();
+        const cell_table& cells = c.cells();
+        const std::size_t kn = sh.k_row_size(), vn = sh.v_row_size();
+        k_rows_.resize(std::size_t{sh.n_layer} * kn);
+        v_rows_.resize(std::size_t{sh.n_layer} * vn);
+        counts_.assign(m.seqs.size(), 0);
+        taken_.clear();
+        for (std::uint32_t cell : cells.used_cells()) {
+            for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
+                c.read_k(l, cell, k_rows_.data() + l * kn);
+                c.read_v(l, cell, v_rows_.data() + l * vn);
+            }
+            const pos_t pos = cells.pos(cell);
+            const std::int32_t shift = cells.shift(cell);
+            bool ok = true;
+            cells.seqs(cell).for_each([&](seq_id_t s) {
+                if (!ok) return;
+                const auto si = static_cast<std::size_t>(s);
+                if (si >= m.seqs.size()) { ok = false; return; }
+                ++counts_[si];
+                const auto [lo, hi] = m.seqs[si].equal_range(pos);
+                for (auto it = lo; it != hi; ++it) {
+                    const model_token& t = it->second;
+                    if (t.shift != shift || std::find(taken_.begin(), taken_.end(), &t) != taken_.end()) continue;
+                    bool eq = t.k.size() == sh.n_layer && t.v.size() == sh.n_layer;
+                    for (std::uint32_t l = 0; eq && l < sh.n_layer; ++l)
+                        eq = t.k[l].size() == kn && t.v[l].size() == vn &&
+                             std::equal(t.k[l].begin(), t.k[l].end(), k_rows_.begin() + l * kn) &&
+                             std::equal(t.v[l].begin(), t.v[l].end(), v_rows_.begin() + l * vn);
+                    if (eq) {
+                        taken_.push_back(&t);
+                        return;
+                    }
+                }
+                ok = false;  // no unmatched model token at this position with these rows
+            });
+            if (!ok) return false;
+        }
+        for (std::size_t s = 0; s < m.seqs.size(); ++s)
+            if (counts_[s] != m.seqs[s].size()) return false;
+        return true;
+    }
+    std::vector<float> k_rows_, v_rows_;       // scratch of matches(): one cell, every layer
+    std::vector<std::size_t> counts_;          // cells per sequence
+    std::vector<const model_token*> taken_;    // model tokens matched so far
+
     void check_all() {
         for_parts(mem, [&](std::size_t p, const auto& c, std::uint32_t) {
-            const auto seen = kvtest::observe(c);
-            if (!kvtest::same(seen, model[p].seqs))
-                fail("part " + std::to_string(p) + " differs from the model (cache | model): " +
-                     kvtest::diff(seen, model[p].seqs) + " first K/V values: " + rows(seen) + " | " + rows(model[p].seqs));
+            if (!matches(c, model[p])) {
+                const auto seen = kvtest::observe(c);
+                if (!kvtest::same(seen, model[p].seqs))
+                    fail("part " + std::to_string(p) + " differs from the model (cache | model): " +
+                         kvtest::diff(seen, model[p].seqs) + " first K/V values: " + rows(seen) + " | " +
+                         rows(model[p].seqs));
+                fail("part " + std::to_string(p) + ": the fast comparison disagrees with kvtest::same");
+            }
             if constexpr (requires { c.storage().check_invariants(c.cells()); }) {
                 const std::string bad = c.storage().check_invariants(c.cells());
                 if (!bad.empty()) fail("tables: " + bad);
@@ -227,8 +287,6 @@ struct run {
         }
     }
 
-    /// Runs f armed with arm_n; a refusal or failure must leave the memory unchanged and be
-    /// allowed (`allowed(call_result)`); returns whether the call completed.
     /// Runs f armed with arm_n; a refusal or failure must leave the memory unchanged and be
     /// allowed (`allowed(call_result)`); returns whether the call completed. Armed calls are
     /// compared with a full snapshot (block tables, refcounts, indexes, K/V bytes); a refused

@@ -10,6 +10,12 @@
 # Configures a clang build in build-fuzz/ (its own directory, OpenMP off), builds the
 # target with -fsanitize=fuzzer,address,undefined and runs it on a copy of the seeds
 # (they stay untouched). KVFUZZ_JOBS=N runs N parallel workers.
+# KVFUZZ_SAN=asan (default: address + undefined, build-fuzz/), ubsan (undefined only,
+# build-fuzz-ubsan/) or plain (no sanitizer, build-fuzz-plain/): the last two for long
+# throughput runs (the API fuzzer's own checks, leak check included, run in every build).
+# The API target runs with -entropic=0: libFuzzer's entropic schedule spent about 3/4 of
+# the time updating its feature frequencies on these long programs (~50 exec/s instead of
+# ~500 in the plain build); pass -entropic=1 after the seconds to get it back.
 # A finding is written to build-fuzz/artifacts/ and the script fails: add the file to
 # tests/fuzz/regressions/ (state) or tests/fuzz/api_corpus/ (api), so that
 # test_fuzz_replay / test_fuzz_api_replay run it in every build, and fix the bug.
@@ -17,18 +23,25 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 seconds="${1:-60}"
 shift || true
-build=build-fuzz
+san="${KVFUZZ_SAN:-asan}"
+case "$san" in
+  asan) build=build-fuzz; sanitizers="address,undefined" ;;
+  ubsan) build=build-fuzz-ubsan; sanitizers="undefined" ;;
+  plain) build=build-fuzz-plain; sanitizers="" ;;
+  *) echo "run_fuzz.sh: KVFUZZ_SAN must be asan, ubsan or plain, not '$san'" >&2; exit 1 ;;
+esac
 cxx="${KVFUZZ_CXX:-$(command -v clang++ || command -v clang++-14 || true)}"
 if [ -z "$cxx" ]; then
   echo "run_fuzz.sh: clang++ not found (Debian: apt-get install clang libclang-rt-14-dev)" >&2
   exit 1
 fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
-  -DKVCACHE_USE_OPENMP=OFF -DKVCACHE_BUILD_BENCH=OFF -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_INSTALL=OFF >/dev/null
+  -DKVCACHE_USE_OPENMP=OFF -DKVCACHE_BUILD_BENCH=OFF -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_INSTALL=OFF \
+  -DKVCACHE_FUZZ_SANITIZERS="$sanitizers" >/dev/null
 target="${KVFUZZ_TARGET:-state}"
 case "$target" in
-  state) exe=kvcache_fuzz_state; seeds=tests/fuzz/corpus; extra_dirs=(tests/fuzz/regressions); what="the state loader"; max_len=8192 ;;
-  api) exe=kvcache_fuzz_api; seeds=tests/fuzz/api_corpus; extra_dirs=(); what="the API (operation sequences, injected allocation failures)"; max_len=1024 ;;
+  state) exe=kvcache_fuzz_state; seeds=tests/fuzz/corpus; extra_dirs=(tests/fuzz/regressions); what="the state loader"; max_len=8192; schedule=() ;;
+  api) exe=kvcache_fuzz_api; seeds=tests/fuzz/api_corpus; extra_dirs=(); what="the API (operation sequences, injected allocation failures)"; max_len=1024; schedule=(-entropic=0) ;;
   *) echo "run_fuzz.sh: KVFUZZ_TARGET must be state or api, not '$target'" >&2; exit 1 ;;
 esac
 cmake --build "$build" --target "$exe"
@@ -38,7 +51,7 @@ cp -n "$seeds"/* "$corpus/" 2>/dev/null || true
 jobs="${KVFUZZ_JOBS:-1}"
 parallel=()
 if [ "$jobs" -gt 1 ]; then parallel=("-fork=$jobs" "-ignore_crashes=0"); fi
-echo "run_fuzz.sh: fuzzing $what for ${seconds}s (${jobs} worker(s))"
+echo "run_fuzz.sh: fuzzing $what for ${seconds}s (${jobs} worker(s), sanitizers: ${sanitizers:-none})"
 "$build/tests/fuzz/$exe" "$corpus" "${extra_dirs[@]}" \
   -max_total_time="$seconds" -artifact_prefix="$build/artifacts/$target-" -print_final_stats=1 \
-  -max_len="$max_len" "${parallel[@]}" "$@"
+  -max_len="$max_len" "${schedule[@]}" "${parallel[@]}" "$@"

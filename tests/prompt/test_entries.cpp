@@ -419,6 +419,8 @@ TEST_CASE("metrics: Prometheus text exposition format") {
     m.hit_tokens = 31;
     m.misses[static_cast<std::size_t>(miss_reason::evicted)] = 2;
     m.evictions = 4;
+    m.slot_states_evicted = 5;
+    m.room_refused = 6;
     m.bytes = 123456;
     const std::vector<kvcache::metric_label> labels{{"model", "m\"1\\x\ny"}};
     const std::string text = kvcache::to_prometheus(m, "kvcache", labels);
@@ -429,6 +431,8 @@ TEST_CASE("metrics: Prometheus text exposition format") {
     CHECK(text.find("kvcache_prefix_cache_hits_total{" + lab + ",source=\"shifted\"} 13\n") != std::string::npos);
     CHECK(text.find("kvcache_prefix_cache_misses_total{" + lab + ",reason=\"evicted\"} 2\n") != std::string::npos);
     CHECK(text.find("kvcache_prompt_cache_bytes{" + lab + "} 123456\n") != std::string::npos);
+    CHECK(text.find("kvcache_slot_states_evicted_total{" + lab + "} 5\n") != std::string::npos);
+    CHECK(text.find("kvcache_prefix_cache_room_refused_total{" + lab + "} 6\n") != std::string::npos);
     CHECK(text.find("# TYPE kvcache_prompt_cache_bytes gauge\n") != std::string::npos);
     // the grammar: HELP then TYPE once per metric, samples only of a declared metric
     std::istringstream in(text);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "prompt/toy_model.hpp"
+#include "support/memory_snapshot.hpp"
 #include "support/result_check.hpp"
 
 using kvcache::prompt_tokens;
@@ -290,4 +291,83 @@ TEST_CASE("slots F23 on the ring layout: the window is really gone, the checkpoi
     CHECK(r.n_past == 20);
     slots.release(r.slot);
     CHECK(cache.seq_pos_max(r.seq) == 19);  // release dropped nothing the host computed: it computed nothing
+}
+
+TEST_CASE("slots: paged layout: idle slot states are evicted to make room, counting blocks (issue 25, 5)") {
+    using paged_t = kvcache::kv_cache<kvcache::paged<32>, reuse::global<>>;
+    const prompt_tokens a = toy::text(64, 1000), b = toy::text(64, 3000), c = toy::text(32, 5000);
+    SUBCASE("LRU idle slot first; the slot being prepared and the later idle slot keep theirs") {
+        paged_t cache(toy::shape(128, 16));  // 4 blocks of 32 cells
+        kvcache::slot_manager<paged_t> slots(cache, {.n_slots = 3});
+        run(slots, cache, a, {.slot_id = 0}, 0);  // 2 blocks, idle
+        run(slots, cache, b, {.slot_id = 1}, 0);  // 2 blocks, idle, used later
+        REQUIRE(cache.storage().free_blocks() == 0);
+        const auto p = slots.prepare(c, {.slot_id = 2}).value();  // needs 1 block
+        CHECK(slots.tokens(0).empty());
+        CHECK(cache.seq_pos_max(0) == -1);
+        CHECK(slots.tokens(1).size() == 64);
+        CHECK(toy::max_error(cache, 1, b, 64) == 0.0);
+        CHECK(slots.metrics().slot_states_evicted == 1);
+        CHECK(slots.metrics().room_refused == 0);
+        toy::fill(cache, p.seq, c, 0, c.size());  // placed
+        slots.commit_prompt(p.slot);
+        CHECK(toy::max_error(cache, p.seq, c, c.size()) == 0.0);
+    }
+    SUBCASE("shared_store: an entry and the idle slot it shares blocks with are both evicted") {
+        using store = kvcache::shared_store<paged_t>;
+        paged_t cache(toy::shape(128, 16));
+        kvcache::slot_manager<paged_t, store> slots(cache, {.n_slots = 3}, store(3, 13));
+        run(slots, cache, a, {.slot_id = 0}, 0);  // 2 blocks, shared by slot 0 and its entry
+        REQUIRE(slots.global_cache().size() == 1);
+        const auto active = slots.prepare(b, {.slot_id = 1}).value();
+        toy::fill(cache, active.seq, b, 0, b.size());
+        slots.commit_prompt(active.slot);
+        REQUIRE(cache.storage().free_blocks() == 0);
+        const auto p = slots.prepare(c, {.slot_id = 2}).value();  // evicting either alone frees nothing
+        CHECK(slots.global_cache().size() == 0);
+        CHECK(slots.tokens(0).empty());
+        CHECK(slots.metrics().evictions == 1);
+        CHECK(slots.metrics().slot_states_evicted == 1);
+        CHECK(cache.storage().free_blocks() == 2);
+        toy::fill(cache, p.seq, c, 0, c.size());
+        CHECK(toy::max_error(cache, active.seq, b, b.size()) == 0.0);
+    }
+    SUBCASE("a busy slot is never evicted; complete or nothing when even every idle state is not enough") {
+        paged_t cache(toy::shape(128, 16));
+        kvcache::slot_manager<paged_t> slots(cache, {.n_slots = 3});
+        run(slots, cache, a, {.slot_id = 0}, 0);  // 2 blocks, idle
+        const auto active = slots.prepare(b, {.slot_id = 1}).value();
+        toy::fill(cache, active.seq, b, 0, b.size());  // 2 blocks, busy (generating)
+        slots.commit_prompt(active.slot);
+        REQUIRE(cache.storage().free_blocks() == 0);
+        // 96 positions need 3 blocks: the idle slot 0 frees 2, slot 1 is busy. Nothing is evicted.
+        const kvcache::prompt_tokens big = toy::text(96, 7000);
+        const kvtest::snap before = kvtest::snapshot(cache);
+        auto p = slots.prepare(big, {.slot_id = 2}).value();
+        CHECK(kvtest::first_diff(before, kvtest::snapshot(cache)) == "");
+        CHECK(slots.tokens(0).size() == 64);
+        CHECK(slots.metrics().slot_states_evicted == 0);
+        CHECK(slots.metrics().room_refused == 1);
+        std::vector<kvcache::pos_t> pos(96);
+        for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<kvcache::pos_t>(i);
+        const std::vector<kvcache::seq_id_t> seqs(pos.size(), p.seq);
+        {
+            const auto placed = cache.place(pos, seqs);  // the host's placement meets no_space
+            REQUIRE(!placed);
+            CHECK(placed.code() == kvcache::errc::no_space);
+        }
+        CHECK(kvtest::snapshot(cache) == before);
+        slots.release(p.slot);
+        // 32 positions fit once slot 0 is evicted; the active slot keeps every cell.
+        p = slots.prepare(c, {.slot_id = 2}).value();
+        CHECK(slots.metrics().slot_states_evicted == 1);
+        CHECK(slots.tokens(0).empty());
+        toy::fill(cache, p.seq, c, 0, c.size());
+        CHECK(toy::max_error(cache, active.seq, b, b.size()) == 0.0);
+        prompt_tokens next = b;
+        next.push_back(90000);
+        toy::fill(cache, active.seq, next, 64, 65);  // the active slot still generates (a free block is left)
+        slots.append(active.slot, 90000);
+        CHECK(toy::max_error(cache, active.seq, next, next.size()) == 0.0);
+    }
 }

@@ -107,6 +107,8 @@ struct prefix_cache_metrics {
     std::uint64_t hit_tokens_shifted = 0; ///< approximate hits: chunks moved into place (chunk_shift, F20)
     std::uint64_t misses[n_miss_reasons] = {};  ///< requests per miss_reason (index: the enum value; [0] unused)
     std::uint64_t slot_states_invalidated = 0;  ///< slot states dropped because their cells changed
+    std::uint64_t slot_states_evicted = 0;  ///< idle slot states dropped to make room for a request (blocks on paged)
+    std::uint64_t room_refused = 0;         ///< requests that did not fit even with every idle state and entry evicted
     // --- global prompt cache entries ---
     std::uint64_t queries = 0;       ///< lookups of the global cache
     std::uint64_t hits = 0;          ///< entries loaded into a slot
@@ -222,6 +224,10 @@ inline std::string to_prometheus(const prefix_cache_metrics& m, std::string_view
                m.misses[r]);
     one("slot_states_invalidated_total", "counter", "Slot states dropped because their cells changed.",
         m.slot_states_invalidated);
+    one("slot_states_evicted_total", "counter", "Idle slot states dropped to make room for a request.",
+        m.slot_states_evicted);
+    one("prefix_cache_room_refused_total", "counter",
+        "Requests that did not fit even with every idle slot state and prompt cache entry evicted.", m.room_refused);
     one("prompt_cache_lookups_total", "counter", "Lookups of the global prompt cache.", m.queries);
     one("prompt_cache_loads_total", "counter", "Global prompt cache entries loaded into a slot.", m.hits);
     one("prompt_cache_load_failures_total", "counter", "Selected entries whose load failed.", m.load_failures);
@@ -572,6 +578,17 @@ public:
                     : limits_.limit_tokens;
             while (entries_.size() > 1 && tokens_ > limit_now)
                 if (!evict_one(cache)) break;
+        }
+    }
+
+    /// Calls f(handle) for the store handle of every entry eviction may remove (every
+    /// unpinned entry: its state and its checkpoints), in eviction order.
+    template <class F>
+    void for_each_evictable_handle(F&& f) const {
+        for (const auto& o : order_) {
+            const entry& e = entries_.at(o.second);
+            f(e.state);
+            for (const checkpoint& ck : e.checkpoints) f(ck.state);
         }
     }
 

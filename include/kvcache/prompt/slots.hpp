@@ -23,6 +23,14 @@
 // (slot_states_invalidated, prompt-cache `invalidated`, miss reason `invalidated`) and
 // never serves it.
 //
+// Room: idle slots keep their sequences' cells (and shared_store entries share them). When
+// the positions a prepared request leaves to compute do not fit (free blocks on a paged
+// layout, free cells otherwise), prepare() evicts unpinned shared_store entries (eviction
+// order), then idle slot states (least recently used first; never a busy slot, never the
+// slot it prepares) until they fit, complete or nothing: if evicting all of them would
+// not make room, nothing is evicted and the host's placement meets no_space. Counted:
+// prompt-cache `evictions`, slot_states_evicted, room_refused.
+//
 // Thread safety: not thread-safe. A slot_manager, its prompt cache and the cache it works
 // on are one unit: call them from one thread at a time (one mutex around every call, const
 // calls included). The host's own computation between prepare and commit_prompt may run
@@ -30,6 +38,7 @@
 #pragma once
 
 #include <algorithm>    // std::max
+#include <concepts>     // std::convertible_to
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
 #include <optional>     // global cache
@@ -192,6 +201,8 @@ public:
         m.hit_tokens_shifted = counters_.hit_tokens_shifted;
         for (std::size_t r = 0; r < n_miss_reasons; ++r) m.misses[r] = counters_.misses[r];
         m.slot_states_invalidated = counters_.slot_states_invalidated;
+        m.slot_states_evicted = counters_.slot_states_evicted;
+        m.room_refused = counters_.room_refused;
         return m;
     }
 
@@ -213,6 +224,8 @@ public:
     /// back in place). When the cache cannot
     /// take the plan (reuse::apply_plan refuses: no free cell to split shared cells, positions a
     /// ring pruned) the slot's state is dropped and the whole request is computed (n_past 0).
+    /// Last, room is made for the positions left to compute by evicting shared_store entries
+    /// and idle slot states, complete or nothing (see "Room" in the file comment).
     [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
         if (request.empty()) detail::fail(errc::invalid_argument, "slot_manager::prepare: the request has no tokens");
@@ -336,7 +349,7 @@ public:
             store().release(*cache_, ck.state);
             return true;
         });
-        if constexpr (uses_global) make_room(plan.n_compute());
+        make_room(plan.n_compute(), id);
 
         const std::uint32_t kept = plan.n_past - plan.n_shifted();
         (from_global ? out.metrics.from_global : out.metrics.from_slot) = kept;
@@ -653,24 +666,111 @@ private:
         return q;
     }
 
-    /// shared_store entries hold cells: evict entries until the host's n tokens (and the
-    /// generation after them) fit, counting what actually runs out.
-    void make_room(std::uint32_t n) {
-        if constexpr (requires(Store& st) { st.n_free(); }) {
-            while (!has_room(n) && global_->evict_one(*cache_)) {
+    /// Makes room for the n positions the host computes next into the sequence of slot
+    /// `self` (the slot being prepared). When they do not fit (has_room: free blocks on a
+    /// paged layout, free cells otherwise), evicts, in this order, until they fit:
+    ///  1. global prompt-cache entries that hold cells of the cache (shared_store), in the
+    ///     prompt cache's eviction order, never a pinned one (prompt-cache `evictions`);
+    ///  2. the states of idle slots, least recently used first, never a busy slot and never
+    ///     `self` (slot_states_evicted).
+    /// Complete or nothing: when even evicting all of them would not make room, nothing is
+    /// evicted (room_refused) and the host's placement meets no_space. A kv_memory only (a
+    /// composite memory, or a ring layout, whose window prunes positions, keeps its idle
+    /// slot states; with shared_store its entries are evicted as before).
+    void make_room(std::uint32_t n, int self) {
+        const seq_id_t seq = opt_.first_seq + self;
+        if constexpr (kv_memory<Cache> && !forgets) {
+            if (has_room(n, seq)) return;
+            // Everything eviction may remove: entry sequences and idle slots' sequences.
+            seq_set all;
+            if constexpr (uses_global && holds_cells)
+                global_->for_each_evictable_handle([&](const auto& h) {
+                    if (h.seq >= 0) all.set(h.seq);
+                });
+            for (std::size_t i = 0; i < slots_.size(); ++i) {
+                if (static_cast<int>(i) == self || slots_[i].busy) continue;
+                all.set(opt_.first_seq + static_cast<seq_id_t>(i));
+                if constexpr (holds_cells)
+                    for (const auto& ck : slots_[i].checkpoints)
+                        if (ck.state.seq >= 0) all.set(ck.state.seq);
+            }
+            if (free_units_without(all) < need_units(n, seq)) {
+                ++counters_.room_refused;
+                return;
+            }
+            if constexpr (uses_global && holds_cells)
+                while (!has_room(n, seq) && global_->evict_one(*cache_)) {
+                }
+            while (!has_room(n, seq)) {
+                int lru = -1;
+                for (std::size_t i = 0; i < slots_.size(); ++i) {
+                    const slot& t = slots_[i];
+                    if (static_cast<int>(i) == self || t.busy || (t.tokens.empty() && t.checkpoints.empty() &&
+                                                                  cache_->seq_pos_max(opt_.first_seq + static_cast<seq_id_t>(i)) < 0))
+                        continue;
+                    if (lru < 0 || t.last_used < slots_[static_cast<std::size_t>(lru)].last_used) lru = static_cast<int>(i);
+                }
+                if (lru < 0) break;  // cannot happen: evicting everything makes room (checked above)
+                ++counters_.slot_states_evicted;
+                drop_state(slots_[static_cast<std::size_t>(lru)], opt_.first_seq + lru);
+            }
+        } else if constexpr (uses_global && holds_cells) {
+            while (!has_room(n, seq) && global_->evict_one(*cache_)) {
             }
         }
     }
-    /// Whether n more tokens of one sequence fit: free blocks on a paged layout (one more
-    /// than n tokens fill: the sequence's last block may be shared, copy-on-write, or
-    /// full), free cells otherwise.
-    bool has_room(std::uint32_t n) const {
+    /// Whether the layout prunes positions out of a window (ring): n tokens need fewer cells.
+    static constexpr bool forgets = [] {
+        if constexpr (requires { typename Cache::storage_t; })
+            return has_capability<typename Cache::storage_t, layout_caps::pruning>;
+        else
+            return false;
+    }();
+    /// Whether the store's entries are sequences of the cache (shared_store).
+    static constexpr bool holds_cells = requires(Store& st, typename Store::handle h) {
+        st.n_free();
+        { h.seq } -> std::convertible_to<seq_id_t>;
+    };
+    /// What n more tokens of seq need: blocks on a paged layout (one more than n tokens fill
+    /// when seq holds cells: its last block may be shared, copy-on-write, or full), cells
+    /// otherwise.
+    std::uint64_t need_units(std::uint32_t n, seq_id_t seq) const {
         if constexpr (requires { cache_->storage().free_blocks(); Cache::layout::block_size; }) {
             constexpr std::uint64_t bs = Cache::layout::block_size;
-            return cache_->storage().free_blocks() >= (std::uint64_t{n} + bs - 1) / bs + 1;
+            return (std::uint64_t{n} + bs - 1) / bs + (cache_->seq_pos_max(seq) >= 0 ? 1 : 0);
         } else {
-            return cache_->capacity() - cache_->used() >= n;
+            return n;
         }
+    }
+    /// Whether n more tokens of seq fit now.
+    bool has_room(std::uint32_t n, seq_id_t seq) const {
+        if constexpr (requires { cache_->storage().free_blocks(); Cache::layout::block_size; })
+            return cache_->storage().free_blocks() >= need_units(n, seq);
+        else
+            return cache_->capacity() - cache_->used() >= need_units(n, seq);
+    }
+    /// Free blocks (paged) or cells once every sequence of `gone` were removed: those whose
+    /// cells are free or used by sequences of `gone` only.
+    std::uint64_t free_units_without(const seq_set& gone) const requires kv_memory<Cache> {
+        const cell_table& ct = cache_->cells();
+        auto freed = [&](std::uint32_t c) {
+            if (ct.is_free(c)) return true;
+            bool only = true;
+            ct.seqs(c).for_each([&](seq_id_t s) { only = only && gone.test(s); });
+            return only;
+        };
+        std::uint64_t out = 0;
+        if constexpr (requires { cache_->storage().free_blocks(); Cache::layout::block_size; }) {
+            constexpr std::uint32_t bs = Cache::layout::block_size;
+            for (std::uint32_t b = 0; b < cache_->storage().n_blocks(); ++b) {
+                bool all = true;
+                for (std::uint32_t c = b * bs; all && c < (b + 1) * bs; ++c) all = freed(c);
+                out += all ? 1 : 0;
+            }
+        } else {
+            for (std::uint32_t c = 0; c < ct.size(); ++c) out += freed(c) ? 1 : 0;
+        }
+        return out;
     }
 
     Cache* cache_;
