@@ -1,8 +1,10 @@
-// recurrent_memory (memory/recurrent.hpp) and its state files (io/recurrent.hpp): the
-// memory contract, a model-based random test against a plain reference compared after
+// recurrent_memory (memory/recurrent.hpp), its state files (io/recurrent.hpp) and
+// hybrid_memory (memory/hybrid.hpp): the memory contract, a model-based random test against a plain reference compared after
 // every step (placements with commit/restore, every sequence operation including the
 // refused ones, checkpoints, state save/load), argument errors with their messages, and
-// state files that are truncated, flipped or of another shape (refused, memory unchanged).
+// state files that are truncated, flipped or of another shape (refused, memory unchanged);
+// hybrid_memory against a kv_cache and the recurrent reference run in lockstep, both
+// parts changed or neither.
 #include <doctest/doctest.h>
 
 #include <kvcache/kvcache.hpp>
@@ -15,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cache_snapshot.hpp"
 #include "support/result_check.hpp"
 
 namespace {
@@ -647,4 +650,300 @@ TEST_CASE("recurrent state files: round trips, bad bytes and wrong shapes refuse
     CHECK(m.restore() == tx_result::restored);
     REQUIRE(io::load_state(m, whole));
     unchanged();
+}
+
+// ---------------------------------------------------------------------------
+// hybrid_memory: attention layers in a kv_cache, recurrent layers in a recurrent_memory.
+
+namespace {
+
+using rec_hyb = hybrid_memory<kv_cache<f32>>;
+static_assert(memory<rec_hyb> && !kv_memory<rec_hyb> && !composite_memory<rec_hyb>);
+static_assert(memory<hybrid_memory<iswa_cache<16, f32>>>);
+
+model_shape rec_hyb_attn_shape(std::uint32_t n_seq, std::uint32_t n_cells = 20) {
+    model_shape s;
+    s.n_layer = 2;
+    s.n_head_kv = 1;
+    s.head_dim_k = 4;
+    s.n_cells = n_cells;
+    s.n_seq_max = n_seq;
+    return s;
+}
+const std::vector<bool> rec_hyb_layers = {false, true, false, true};  // attention, recurrent, ...
+
+/// How a hybrid call ended (any code: the attention part refuses with its own).
+template <class F>
+rec_outcome rec_hyb_run(F&& f) {
+    const kvtest::refusal r = kvtest::run_refusal(f);
+    if (r.kind == kvtest::refusal_kind::none) return rec_outcome::ok;
+    return r.kind == kvtest::refusal_kind::returned ? rec_outcome::refused : rec_outcome::thrown;
+}
+
+/// The expected outcome of a sequence operation on the pair (A, R): attention first, then
+/// the recurrent reference; A rolled back unless both succeed, R changed only then.
+template <class FA, class FR>
+rec_outcome rec_hyb_mirror(kv_cache<f32>& a, rec_ref& r, FA&& fa, FR&& fr) {
+    rec_ref rc = r;
+    rec_outcome want = rec_outcome::ok;
+    try {
+        static_cast<void>(kvcache::detail::with_rollback(a, [&]() -> result<void> {
+            if (result<void> x = fa(a); !x) {
+                want = rec_outcome::refused;
+                return x;
+            }
+            want = fr(rc);
+            if (want != rec_outcome::ok) return kvcache::detail::make_error(errc::unsupported, "mirror");
+            return {};
+        }));
+    } catch (const kvcache::error&) {
+        want = rec_outcome::thrown;
+    }
+    if (want == rec_outcome::ok) r = std::move(rc);
+    return want;
+}
+
+void rec_hyb_check(const rec_hyb& h, const kv_cache<f32>& a, const rec_ref& r) {
+    REQUIRE(kvtest::snapshot(h.attention()) == kvtest::snapshot(a));
+    rec_check_same(h.recurrent(), r);
+    REQUIRE(h.in_transaction() == a.in_transaction());
+    for (seq_id_t s = 0; s < static_cast<seq_id_t>(h.n_seq_max()); ++s) {  // both parts hold the same positions
+        REQUIRE(h.seq_pos_min(s) == h.recurrent().seq_pos_min(s));
+        REQUIRE(h.seq_pos_max(s) == h.recurrent().seq_pos_max(s));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("hybrid_memory: model-based random test, both parts or neither, compared every step") {
+    for (std::uint32_t seed = 1; seed <= 4; ++seed) {
+        CAPTURE(seed);
+        std::mt19937 rng(seed * 7919);
+        const model_shape ash = rec_hyb_attn_shape(3);
+        const recurrent_shape rsh = rec_test_shape(3);
+        rec_hyb h(ash, rsh, rec_hyb_layers);
+        kv_cache<f32> a(ash);
+        rec_ref r(rsh);
+        const seq_id_t n_seq = 3;
+        int n_ok = 0, n_refused = 0, n_thrown = 0;
+        auto tally = [&](rec_outcome o) { (o == rec_outcome::ok ? n_ok : o == rec_outcome::refused ? n_refused : n_thrown)++; };
+        auto any_seq = [&]() -> seq_id_t { return static_cast<seq_id_t>(rng() % (n_seq + 2)) - 1; };
+        auto pick = [&](seq_id_t s) { return rng() % 2 ? -1 : rec_pick_pos(rng, r.seqs[static_cast<std::size_t>(s < 0 || s >= n_seq ? 0 : s)]); };
+        auto seq_op = [&](auto&& fa, auto&& fr, auto&& fh) {
+            const rec_outcome want = rec_hyb_mirror(a, r, fa, fr);
+            const rec_outcome got = rec_hyb_run(fh);
+            REQUIRE(got == want);
+            tally(got);
+        };
+        for (int step = 0; step < 500; ++step) {
+            CAPTURE(step);
+            const unsigned op = rng() % 100;
+            if (op < 35) {
+                std::vector<pos_t> pos;
+                std::vector<seq_id_t> sq;
+                const auto s = static_cast<seq_id_t>(rng() % static_cast<unsigned>(n_seq));
+                const auto s2 = static_cast<seq_id_t>((static_cast<unsigned>(s) + 1 + rng() % 2) % static_cast<unsigned>(n_seq));
+                for (seq_id_t t : {s, s2}) {
+                    const auto& q = r.seqs[static_cast<std::size_t>(t)];
+                    pos_t p = q.mx < 0 ? static_cast<pos_t>(rng() % 10) : q.mx + 1;
+                    for (unsigned k = 0, n = rng() % 5; k < n; ++k) {
+                        pos.push_back(p++);
+                        sq.push_back(t);
+                    }
+                }
+                if (!pos.empty() && rng() % 8 == 0) pos.back() = pos.front() - 1;  // often breaks the order
+                // Expected: the recurrent rules first, then the attention cache's.
+                rec_ref rc = r;
+                rec_outcome want = rc.place(pos, sq);
+                std::optional<placement> pa;
+                if (want == rec_outcome::ok) {
+                    want = rec_hyb_run([&] {
+                        auto x = a.place(pos, sq);
+                        if (x) pa = std::move(x.value());
+                        return x;
+                    });
+                    if (want == rec_outcome::ok) r = std::move(rc);
+                }
+                std::optional<rec_hyb::placement_type> ph;
+                const rec_outcome got = rec_hyb_run([&] {
+                    auto x = h.place(pos, sq);
+                    if (x) ph = std::move(x.value());
+                    return x;
+                });
+                REQUIRE(got == want);
+                tally(got);
+                if (got == rec_outcome::ok) {
+                    REQUIRE(ph->attention.cells == pa->cells);
+                    std::vector<float> rows(pos.size() * 4);
+                    for (std::uint32_t l : {0u, 2u}) {
+                        for (float& x : rows) x = static_cast<float>(rng() % 1000) / 8.0f;
+                        h.write_k(l, *ph, rows.data());
+                        a.write_k(l / 2, pa->cells, rows.data());
+                        for (float& x : rows) x = static_cast<float>(rng() % 1000) / 8.0f;
+                        h.write_v(l, *ph, rows.data());
+                        a.write_v(l / 2, pa->cells, rows.data());
+                    }
+                    for (std::size_t i = 0; i < pos.size(); ++i)
+                        for (std::uint32_t l : {1u, 3u})
+                            rec_layer_step(h.conv_state(l, sq[i]).data(), h.ssm_state(l, sq[i]).data(), rsh, pos[i], l / 2);
+                    r.run(pos, sq);
+                    if (pos.empty()) {  // nothing staged
+                        REQUIRE(h.commit() == tx_result::nothing_staged);
+                    } else if (rng() % 4 != 0) {
+                        REQUIRE(h.commit() == tx_result::committed);
+                        REQUIRE(a.commit() == tx_result::committed);
+                        r.tx.reset();
+                    } else {
+                        REQUIRE(h.restore() == tx_result::restored);
+                        REQUIRE(a.restore() == tx_result::restored);
+                        r.seqs = *r.tx;
+                        r.tx.reset();
+                    }
+                }
+            } else if (op < 55) {
+                const seq_id_t s = any_seq();
+                const pos_t p0 = pick(s), p1 = pick(s);
+                seq_op([&](kv_cache<f32>& c) { return c.seq_rm(s, p0, p1); }, [&](rec_ref& q) { return q.rm(s, p0, p1); },
+                       [&] { return h.seq_rm(s, p0, p1); });
+            } else if (op < 70) {
+                const seq_id_t src = any_seq(), dst = any_seq();
+                const pos_t p0 = pick(src), p1 = pick(src);
+                seq_op([&](kv_cache<f32>& c) { return c.seq_cp(src, dst, p0, p1); },
+                       [&](rec_ref& q) { return q.cp(src, dst, p0, p1); }, [&] { return h.seq_cp(src, dst, p0, p1); });
+            } else if (op < 73) {
+                const seq_id_t s = any_seq();
+                seq_op(
+                    [&](kv_cache<f32>& c) -> result<void> {
+                        c.seq_keep(s);
+                        return {};
+                    },
+                    [&](rec_ref& q) { return q.keep(s); }, [&] { h.seq_keep(s); });
+            } else if (op < 88) {
+                const seq_id_t s = any_seq();
+                const pos_t p0 = pick(s), p1 = pick(s);
+                const pos_t delta = static_cast<pos_t>(rng() % 21) - 12;
+                seq_op([&](kv_cache<f32>& c) { return c.seq_add(s, p0, p1, delta); },
+                       [&](rec_ref& q) { return q.move(s, p0, p1, delta, 0); }, [&] { return h.seq_add(s, p0, p1, delta); });
+            } else if (op < 96) {
+                const seq_id_t s = any_seq();
+                const pos_t p0 = pick(s), p1 = pick(s);
+                const int d = static_cast<int>(rng() % 4);
+                seq_op([&](kv_cache<f32>& c) { return c.seq_div(s, p0, p1, d); },
+                       [&](rec_ref& q) { return q.move(s, p0, p1, 0, d == 0 ? -1 : d); },
+                       [&] { return h.seq_div(s, p0, p1, d); });
+            } else {
+                h.clear();
+                a.clear();
+                for (auto& q : r.seqs) r.empty(q);
+            }
+            rec_hyb_check(h, a, r);
+        }
+        CHECK(n_ok > 50);
+        CHECK(n_refused > 5);
+        CHECK(n_thrown > 5);
+    }
+}
+
+TEST_CASE("hybrid_memory: configuration errors, layer map, wrong-kind layers, refusals change neither part") {
+    const model_shape ash = rec_hyb_attn_shape(2);
+    auto config_error = [&](const recurrent_shape& rs, std::vector<bool> layers, const std::string& needle) {
+        try {
+            rec_hyb h(ash, rs, std::move(layers));
+            FAIL("no error");
+        } catch (const kvcache::error& e) {
+            CHECK(e.code() == errc::invalid_config);
+            CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
+        }
+    };
+    config_error(rec_test_shape(3), rec_hyb_layers, "recurrent_shape.n_seq_max = 3, must equal the attention memory's n_seq_max = 2");
+    config_error(rec_test_shape(2), {false, true, false, true, true}, "marks 3 recurrent layers, recurrent_shape.n_layer = 2");
+    config_error(rec_test_shape(2), {false, true, false, false, true}, "marks 3 attention layers");
+    config_error(rec_test_shape(2), {true, true}, "no attention layer");
+
+    rec_hyb h(ash, rec_test_shape(2), rec_hyb_layers);
+    CHECK(h.n_layer() == 4);
+    CHECK(h.is_recurrent(3));
+    CHECK_FALSE(h.is_recurrent(2));
+    CHECK(h.local_layer(3) == 1);
+    CHECK(h.local_layer(2) == 1);
+    CHECK(h.total_bytes() == h.attention().total_bytes() + h.recurrent().total_bytes());
+    CHECK_THROWS_WITH_AS((void)h.local_layer(4), doctest::Contains("local_layer: layer = 4, must be < n_layer = 4"), kvcache::error);
+    CHECK_THROWS_WITH_AS((void)h.conv_state(0, 0), doctest::Contains("conv_state: layer 0 is an attention layer"), kvcache::error);
+
+    const std::vector<pos_t> pos = {0, 1, 2, 3};
+    const std::vector<seq_id_t> sq = {0, 0, 0, 0};
+    auto p = h.place(pos, sq).value();
+    const std::vector<float> rows(16, 1.5f);
+    CHECK_THROWS_WITH_AS(h.write_k(1, p, rows.data()), doctest::Contains("write_k: layer 1 is a recurrent layer"), kvcache::error);
+    h.write_k(2, p, rows.data());
+    h.conv_state(3, 0)[0] = 7.0f;
+    REQUIRE(h.commit() == tx_result::committed);
+    const auto before_a = kvtest::snapshot(h.attention());
+    const auto before_r = h.recurrent().take_checkpoint(0);
+    auto unchanged = [&] {
+        CHECK(kvtest::snapshot(h.attention()) == before_a);
+        const auto now = h.recurrent().take_checkpoint(0);
+        CHECK(now.pos_min == before_r.pos_min);
+        CHECK(now.pos_max == before_r.pos_max);
+        CHECK(now.state == before_r.state);
+    };
+    // The attention cache would remove the tail; the recurrent state refuses: neither changes.
+    CHECK(kvtest::refused_with(h.seq_rm(0, 2, -1), errc::unsupported, "refused by history"));
+    CHECK(kvtest::refused_with(h.seq_add(0, 2, -1, 3), errc::unsupported, "refused by history"));
+    unchanged();
+    // The attention cache refuses a batch (no room): the recurrent placement is undone.
+    std::vector<pos_t> big(17);
+    std::vector<seq_id_t> big_seq(17, 1);
+    for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<pos_t>(i);
+    CHECK(kvtest::refused_with(h.place(big, big_seq), errc::no_space));
+    CHECK_FALSE(h.in_transaction());
+    CHECK_FALSE(h.recurrent().in_transaction());
+    CHECK(h.recurrent().seq_pos_max(1) == -1);
+    // The recurrent memory refuses a copy into a non-empty sequence the attention cache
+    // would accept (disjoint positions): both unchanged.
+    const std::vector<pos_t> p9 = {9};
+    const std::vector<seq_id_t> s1 = {1};
+    REQUIRE(h.place(p9, s1));
+    REQUIRE(h.commit() == tx_result::committed);
+    const auto before_a2 = kvtest::snapshot(h.attention());
+    CHECK_THROWS_WITH_AS((void)h.seq_cp(0, 1, -1, -1), doctest::Contains("already holds a state"), kvcache::error);
+    CHECK(kvtest::snapshot(h.attention()) == before_a2);
+    REQUIRE(h.seq_rm(1, -1, -1));
+    REQUIRE(h.seq_cp(0, 1, -1, -1));
+    CHECK(h.recurrent().conv_state(1, 1)[0] == 7.0f);
+    CHECK(h.seq_pos_max(1) == 3);
+    // Whole-interval moves apply to both parts; the attention part records a K-shift.
+    REQUIRE(h.seq_add(1, -1, -1, 10));
+    CHECK(h.has_shift());
+    CHECK(h.recurrent().seq_pos_min(1) == 10);
+    CHECK(h.attention().seq_pos_min(1) == 10);
+    h.clear();
+    CHECK(h.seq_pos_max(0) == -1);
+    CHECK(h.recurrent().conv_state(1, 0)[0] == 0.0f);
+}
+
+TEST_CASE("hybrid_memory over an ISWA cache: placement, writes and refusals on every part") {
+    iswa_shape is;
+    is.shape = rec_hyb_attn_shape(2, 64);
+    is.swa_layers = {true, false};
+    is.swa_n_cells = ring<16>::cells_for(2, 8);
+    hybrid_memory<iswa_cache<16, f32>> h(is, rec_test_shape(2), rec_hyb_layers);
+    std::vector<pos_t> pos(20);
+    const std::vector<seq_id_t> sq(20, 0);
+    for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<pos_t>(i);
+    auto p = h.place(pos, sq).value();
+    std::vector<float> rows(20 * 4, 0.5f);
+    h.write_k(0, p, rows.data());  // the sliding-window layer
+    h.write_v(2, p, rows.data());  // the full-attention layer
+    h.ssm_state(1, 0)[2] = 3.0f;
+    REQUIRE(h.commit() == tx_result::committed);
+    CHECK(h.seq_pos_max(0) == 19);
+    CHECK(h.recurrent().seq_pos_min(0) == 0);
+    CHECK(h.attention().window_pos_min(0) > 0);  // the ring pruned its oldest positions
+    CHECK(kvtest::refused_with(h.seq_rm(0, 10, -1), errc::unsupported));
+    CHECK(h.seq_pos_max(0) == 19);
+    CHECK(h.recurrent().seq_pos_max(0) == 19);
+    REQUIRE(h.seq_rm(0, -1, -1));
+    CHECK(h.seq_pos_max(0) == -1);
+    CHECK(h.recurrent().ssm_state(1, 0)[2] == 0.0f);
 }

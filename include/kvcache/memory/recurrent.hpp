@@ -382,6 +382,31 @@ public:
     /// Empties sequence s (state zeroed); for io/recurrent.hpp. Never throws.
     void empty_seq(detail::internal_access, seq_id_t s) noexcept { empty_seq(s); }
 
+    /// The intervals and transaction snapshots before a placement, so that a composite
+    /// (hybrid_memory) can undo the placement when its other part refuses the batch.
+    struct place_mark {
+        std::vector<pos_t> pos_min, pos_max;
+        std::size_t n_backups = 0;
+        bool in_tx = false;
+    };
+    /// Saves the mark (may throw std::bad_alloc; nothing changed then).
+    void save_mark(place_mark& m, detail::internal_access) const {
+        m.pos_min = pos_min_;
+        m.pos_max = pos_max_;
+        m.n_backups = backups_.size();
+        m.in_tx = in_tx_;
+    }
+    /// Undoes the placements made since `m` was saved (their states were not written yet).
+    /// Never throws.
+    void undo_place(const place_mark& m, detail::internal_access) noexcept {
+        std::copy(m.pos_min.begin(), m.pos_min.end(), pos_min_.begin());
+        std::copy(m.pos_max.begin(), m.pos_max.end(), pos_max_.begin());
+        for (std::size_t i = m.n_backups; i < backups_.size(); ++i) touched_[static_cast<std::size_t>(backups_[i].seq)] = 0;
+        backups_.resize(m.n_backups, backup{0, -1, -1});
+        backup_data_.resize(m.n_backups * shape_.seq_floats());
+        in_tx_ = m.in_tx;
+    }
+
 private:
     struct backup {
         seq_id_t seq;
