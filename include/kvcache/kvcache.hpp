@@ -54,6 +54,7 @@
 #include "ops/context_shift.hpp"
 #include "io/state.hpp"
 #include "io/recurrent.hpp"
+#include "io/hybrid.hpp"
 #include "prompt/radix_index.hpp"
 #include "prompt/entry_store.hpp"
 #include "prompt/prompt_cache.hpp"

@@ -947,3 +947,79 @@ TEST_CASE("hybrid_memory over an ISWA cache: placement, writes and refusals on e
     CHECK(h.seq_pos_max(0) == -1);
     CHECK(h.recurrent().ssm_state(1, 0)[2] == 0.0f);
 }
+
+TEST_CASE("hybrid state files: round trips, bad bytes, a bad part refused with both parts unchanged") {
+    const model_shape ash = rec_hyb_attn_shape(2, 12);
+    const recurrent_shape rsh = rec_test_shape(2);
+    rec_hyb h(ash, rsh, rec_hyb_layers);
+    const std::vector<pos_t> pos = {0, 1, 2, 4, 5};
+    const std::vector<seq_id_t> sq = {0, 0, 0, 1, 1};
+    auto p = h.place(pos, sq).value();
+    std::vector<float> rows(pos.size() * 4);
+    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i) * 0.5f;
+    for (std::uint32_t l : {0u, 2u}) {
+        h.write_k(l, p, rows.data());
+        h.write_v(l, p, rows.data());
+    }
+    rec_engine_run(h.recurrent_for_update(kvcache::detail::internal_access{}), p.recurrent, pos);
+    REQUIRE(h.commit() == tx_result::committed);
+    const std::vector<token_t> toks = {7, 8, 9};
+    const std::vector<std::byte> whole = io::save_state(h, toks);
+    const std::vector<std::byte> one = io::save_seq(h, 1);
+
+    auto same = [](const rec_hyb& x, const rec_hyb& y) {
+        CHECK(kvtest::snapshot(x.attention()) == kvtest::snapshot(y.attention()));
+        CHECK(io::save_state(x.recurrent()) == io::save_state(y.recurrent()));
+    };
+    rec_hyb other(ash, rsh, rec_hyb_layers);
+    auto r = io::load_state(other, whole);
+    REQUIRE(r);
+    CHECK(r.value().tokens == toks);
+    same(h, other);
+    CHECK(io::save_state(other, toks) == whole);
+    rec_hyb third(ash, rsh, rec_hyb_layers);
+    REQUIRE(io::load_seq(third, 0, one));  // sequence 1 into sequence 0
+    CHECK(third.seq_pos_min(0) == 4);
+    CHECK(third.recurrent().seq_pos_max(0) == 5);
+    CHECK(third.recurrent().take_checkpoint(0).state == h.recurrent().take_checkpoint(1).state);
+    CHECK(third.seq_pos_max(1) == -1);
+
+    // Every truncation and bit flip is refused, nothing changed.
+    rec_hyb target(ash, rsh, rec_hyb_layers);
+    REQUIRE(io::load_seq(target, 1, one));
+    const auto t_attn = kvtest::snapshot(target.attention());
+    const auto t_rec = io::save_state(target.recurrent());
+    auto unchanged = [&] {
+        CHECK(kvtest::snapshot(target.attention()) == t_attn);
+        CHECK(io::save_state(target.recurrent()) == t_rec);
+    };
+    for (std::size_t n = 0; n < whole.size(); n += 7) REQUIRE_FALSE(io::load_state(target, std::span(whole).first(n)));
+    for (std::size_t i = 0; i < whole.size(); i += 3) {
+        std::vector<std::byte> bad = whole;
+        bad[i] ^= std::byte{0x01};
+        REQUIRE_FALSE(io::load_state(target, bad));
+    }
+    unchanged();
+    CHECK(kvtest::refused_with(io::load_state(target, one), errc::unsupported, "use load_seq"));
+    // A memory with another layer pattern, or another recurrent shape: shape_mismatch, both parts unchanged.
+    rec_hyb swapped(ash, rsh, {true, false, true, false});
+    CHECK(kvtest::refused_with(io::load_state(swapped, whole), errc::shape_mismatch, "layer pattern"));
+    recurrent_shape rsh2 = rsh;
+    rsh2.ssm_size = 5;
+    rec_hyb other_rec(ash, rsh2, rec_hyb_layers);
+    const std::vector<pos_t> p0 = {3};
+    const std::vector<seq_id_t> s0 = {0};
+    REQUIRE(other_rec.place(p0, s0));  // something in the attention part
+    REQUIRE(other_rec.commit() == tx_result::committed);
+    const auto o_attn = kvtest::snapshot(other_rec.attention());
+    CHECK(kvtest::refused_with(io::load_state(other_rec, whole), errc::shape_mismatch, "ssm_size"));
+    CHECK(kvtest::snapshot(other_rec.attention()) == o_attn);
+    // The attention part refuses (it holds more cells than this cache), the recurrent part is kept.
+    rec_hyb small(rec_hyb_attn_shape(2, 4), rsh, rec_hyb_layers);
+    REQUIRE(io::load_seq(small, 1, io::save_seq(target, 1)));
+    const auto s_rec = io::save_state(small.recurrent());
+    CHECK(kvtest::refused_with(io::load_state(small, whole), errc::no_space));
+    CHECK(io::save_state(small.recurrent()) == s_rec);
+    CHECK(small.seq_pos_max(0) == -1);
+    CHECK_THROWS_AS((void)io::load_seq(small, 2, one), kvcache::error);
+}

@@ -214,25 +214,45 @@ inline void recurrent_check_load(const char* fn, const recurrent_memory& m) {
                               std::string(fn) + ": placements are staged; commit() or restore() first");
 }
 
-inline load_info recurrent_commit(recurrent_memory& m, recurrent_staged&& st, seq_id_t dst) {
-    const kvcache::detail::internal_access a{};
+/// A validated recurrent state made ready to apply: every allocation done.
+struct recurrent_prepared {
+    recurrent_staged staged;
     load_info info;
-    info.kind = dst < 0 ? state_kind::whole_cache : state_kind::one_sequence;
-    info.saved_seq = st.seq;
-    info.tokens = std::move(st.tokens);
-    std::vector<float> buf(m.shape().seq_floats());  // the records' floats may be unaligned
-    info.cells.reserve(st.records.size());
-    for (const auto& rec : st.records) info.cells.push_back(static_cast<std::uint32_t>(dst < 0 ? rec.seq : dst));
-    // Nothing below throws: the memory changes all at once.
-    if (dst < 0)
+    std::vector<float> buf;  // the records' floats may be unaligned
+    seq_id_t dst = -1;
+};
+
+/// Allocates what applying needs (may throw std::bad_alloc; nothing changed then).
+inline recurrent_prepared recurrent_prepare(const recurrent_memory& m, recurrent_staged&& st, seq_id_t dst) {
+    recurrent_prepared p;
+    p.dst = dst;
+    p.info.kind = dst < 0 ? state_kind::whole_cache : state_kind::one_sequence;
+    p.info.saved_seq = st.seq;
+    p.info.cells.reserve(st.records.size());
+    for (const auto& rec : st.records) p.info.cells.push_back(static_cast<std::uint32_t>(dst < 0 ? rec.seq : dst));
+    p.buf.resize(m.shape().seq_floats());
+    p.staged = std::move(st);
+    return p;
+}
+
+/// Applies a prepared state: the memory changes all at once. Never throws.
+inline void recurrent_apply(recurrent_memory& m, recurrent_prepared& p) noexcept {
+    const kvcache::detail::internal_access a{};
+    if (p.dst < 0)
         for (seq_id_t s = 0; static_cast<std::uint32_t>(s) < m.n_seq_max(); ++s) m.empty_seq(a, s);
     else
-        m.empty_seq(a, dst);
-    for (const auto& rec : st.records) {
-        if (!buf.empty()) std::memcpy(buf.data(), rec.floats, buf.size() * sizeof(float));
-        m.assign_seq(a, dst < 0 ? rec.seq : dst, rec.pos_min, rec.pos_max, buf.data());
+        m.empty_seq(a, p.dst);
+    for (const auto& rec : p.staged.records) {
+        if (!p.buf.empty()) std::memcpy(p.buf.data(), rec.floats, p.buf.size() * sizeof(float));
+        m.assign_seq(a, p.dst < 0 ? rec.seq : p.dst, rec.pos_min, rec.pos_max, p.buf.data());
     }
-    return info;
+}
+
+inline load_info recurrent_commit(recurrent_memory& m, recurrent_staged&& st, seq_id_t dst) {
+    recurrent_prepared p = recurrent_prepare(m, std::move(st), dst);
+    recurrent_apply(m, p);
+    p.info.tokens = std::move(p.staged.tokens);
+    return std::move(p.info);
 }
 
 }  // namespace detail

@@ -25,8 +25,8 @@
 // commit() (or restore() on failure). seq_pos_min / seq_pos_max are the attention
 // memory's (both parts hold the same positions).
 //
-// Not yet: state files of a hybrid memory (save each part: io::save_state(attention())
-// and io::save_state(recurrent())), ops:: entry points (call them on attention()), and
+// State files: io/hybrid.hpp (io::save_state / load_state / save_seq / load_seq, both
+// parts or neither). Not yet: ops:: entry points (call them on attention()) and
 // slot_manager checkpoints of the recurrent part (issue 28).
 #pragma once
 
@@ -204,6 +204,8 @@ public:
     /// Mutable parts, for library operations (ops::apply_k_shift on the attention part)
     /// that keep both consistent themselves. Not for host code.
     [[nodiscard]] Attention& attention_for_update(detail::internal_access) noexcept { return attn_; }
+    /// Mutable recurrent part, for io/hybrid.hpp (loads both parts or neither). Not for host code.
+    [[nodiscard]] recurrent_memory& recurrent_for_update(detail::internal_access) noexcept { return rec_; }
 
 private:
     /// Runs fa on the attention memory, then fr on the recurrent memory; a refusal or a
