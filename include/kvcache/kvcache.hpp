@@ -52,6 +52,7 @@
 #include "ops/defrag.hpp"
 #include "ops/memory.hpp"
 #include "ops/context_shift.hpp"
+#include "ops/hybrid.hpp"
 #include "io/state.hpp"
 #include "io/recurrent.hpp"
 #include "io/hybrid.hpp"

@@ -1023,3 +1023,40 @@ TEST_CASE("hybrid state files: round trips, bad bytes, a bad part refused with b
     CHECK(small.seq_pos_max(0) == -1);
     CHECK_THROWS_AS((void)io::load_seq(small, 2, one), kvcache::error);
 }
+
+TEST_CASE("ops on recurrent and hybrid memories: memory report, the attention part's K-shift") {
+    const recurrent_shape rsh = rec_test_shape(3);
+    recurrent_memory m(rsh);
+    const std::size_t per_seq = rsh.seq_floats() * sizeof(float);
+    CHECK(ops::memory(m).reserved_bytes == 3 * per_seq);
+    CHECK(ops::memory(m).used_bytes == 0);
+    const std::vector<pos_t> pos = {0, 1, 5};
+    const std::vector<seq_id_t> sq = {0, 0, 2};
+    REQUIRE(m.place(pos, sq));
+    REQUIRE(m.commit() == tx_result::committed);
+    CHECK(ops::memory(m).used_bytes == 2 * per_seq);
+    CHECK(ops::memory(m).held_bytes == 2 * per_seq);
+
+    const model_shape ash = rec_hyb_attn_shape(3);
+    rec_hyb h(ash, rsh, rec_hyb_layers);
+    kv_cache<f32> a(ash);  // the same operations on a plain cache
+    auto ph = h.place(pos, sq).value();
+    auto pa = a.place(pos, sq).value();
+    std::vector<float> rows(pos.size() * 4);
+    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 5) - 1.5f;
+    h.write_k(0, ph, rows.data());
+    a.write_k(0, pa.cells, rows.data());
+    REQUIRE(h.commit() == tx_result::committed);
+    REQUIRE(a.commit() == tx_result::committed);
+    const ops::memory_usage u = ops::memory(h), ua = ops::memory(a);
+    CHECK(u.reserved_bytes == ua.reserved_bytes + 3 * per_seq);
+    CHECK(u.used_bytes == ua.used_bytes + 2 * per_seq);
+    REQUIRE(h.seq_add(0, -1, -1, 7));
+    REQUIRE(a.seq_add(0, -1, -1, 7));
+    CHECK(h.has_shift());
+    ops::apply_k_shift(h);
+    ops::apply_k_shift(a);
+    CHECK_FALSE(h.has_shift());
+    CHECK(kvtest::snapshot(h.attention()) == kvtest::snapshot(a));
+    CHECK(h.recurrent().seq_pos_min(0) == 7);
+}
