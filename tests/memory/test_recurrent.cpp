@@ -376,7 +376,9 @@ TEST_CASE("recurrent_memory: model-based random test against a reference, every 
                 if (cps.empty() || rng() % 2 == 0) {
                     cps.emplace_back(mem.take_checkpoint(s), ref.seqs[static_cast<std::size_t>(s)]);
                 } else {
-                    const auto& [cp, rq] = cps[rng() % cps.size()];
+                    const auto& entry = cps[rng() % cps.size()];  // no structured binding: clang 14 cannot capture one
+                    const recurrent_checkpoint& cp = entry.first;
+                    const rec_ref::seq& rq = entry.second;
                     if (ref.tx) {
                         REQUIRE(rec_run([&] { mem.restore_checkpoint(s, cp); }) == rec_outcome::thrown);
                     } else {
