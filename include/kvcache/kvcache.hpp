@@ -11,7 +11,7 @@
 //   cells/              per-cell metadata (positions, sequence sets, shifts) and indexes
 //   layout/             layout policies: where K/V live and how cells are placed
 //   reuse/              reuse policies and their plans over token lists
-//   memory/             the memory contract; kv_cache<Policies...> and iswa_cache
+//   memory/             the memory contract; kv_cache<Policies...>, iswa_cache, recurrent_memory, hybrid_memory
 //   kernels/            SIMD + OpenMP kernels over format views and spans
 //   ops/                public operations on a memory (attention, K-shift, defrag, context shift)
 //   io/                 state files (save / load whole caches or one sequence)
@@ -44,13 +44,18 @@
 #include "memory/memory.hpp"
 #include "memory/kv_cache.hpp"
 #include "memory/iswa_cache.hpp"
+#include "memory/recurrent.hpp"
+#include "memory/hybrid.hpp"
 #include "ops/rope.hpp"
 #include "ops/kshift.hpp"
 #include "ops/attention.hpp"
 #include "ops/defrag.hpp"
 #include "ops/memory.hpp"
 #include "ops/context_shift.hpp"
+#include "ops/hybrid.hpp"
 #include "io/state.hpp"
+#include "io/recurrent.hpp"
+#include "io/hybrid.hpp"
 #include "prompt/radix_index.hpp"
 #include "prompt/entry_store.hpp"
 #include "prompt/prompt_cache.hpp"

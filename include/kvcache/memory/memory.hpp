@@ -1,6 +1,6 @@
 // kvcache: the memory contract. A memory is what an inference engine keeps between
-// forward passes: K/V caches (kv_cache<Policies...>, iswa_cache), and later recurrent and
-// hybrid memories. Every public entry point that takes one (ops::, io::, slots, the
+// forward passes: K/V caches (kv_cache<Policies...>, iswa_cache), recurrent states
+// (recurrent_memory) and both (hybrid_memory). Every public entry point that takes one (ops::, io::, slots, the
 // prompt cache, reuse plans) is written against these concepts, and checks them with a
 // static_assert whose message names the concept.
 //
