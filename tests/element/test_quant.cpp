@@ -370,3 +370,269 @@ TEST_CASE("q4_0: attention, contiguous layout (row-major V)") {
 TEST_CASE("q4_0: attention, paged layout (transposed V)") {
     quant_attention_suite<q4_0, kvcache::paged<32, kvcache::v_layout::transposed>>("paged/transposed", 256);
 }
+
+// ------------------------------------------------------------------ K-shift
+
+namespace {
+
+/// Relative L1 and NMSE of every token's K (found by position) against rope(x, new
+/// position); llama: the same for llama.cpp's format in float64 (quantize at the old
+/// position, rotate the dequantized values in float64, quantize again).
+struct kshift_errors {
+    double rel_l1 = 0.0, nmse = 0.0, llama_nmse = 0.0;
+};
+
+template <class Cache>
+kshift_errors quant_kshift_error(const Cache& cache, const std::vector<std::vector<double>>& x,
+                                 const std::vector<pos_t>& was, const std::vector<pos_t>& now, bool four) {
+    const auto& s = cache.shape();
+    std::vector<float> row(s.k_row_size());
+    double num = 0.0, den = 0.0, sq = 0.0, sq_llama = 0.0, ref2 = 0.0;
+    std::size_t found = 0;
+    for (std::uint32_t c = 0; c < cache.n_window(); ++c) {
+        const pos_t pc = cache.cells().pos(c);
+        if (pc < 0) continue;
+        const auto it = std::find(now.begin(), now.end(), pc);
+        REQUIRE(it != now.end());
+        const auto i = static_cast<std::size_t>(it - now.begin());
+        ++found;
+        for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+            cache.read_k(l, c, row.data());
+            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
+                const double f = 1.0 + 0.1 * l;
+                auto r = ref::rope_head(x[i * s.n_head_kv + h], now[i], s.rope);
+                auto old = ref::rope_head(x[i * s.n_head_kv + h], was[i], s.rope);
+                for (auto& v : old) v *= f;
+                std::vector<double> lq(s.dim_k());
+                for (std::uint32_t b = 0; b < s.dim_k(); b += 32) quant_llama_block(four, old.data() + b, lq.data() + b);
+                auto rot = ref::rope_head(lq, now[i] - was[i], s.rope);
+                for (std::uint32_t b = 0; b < s.dim_k(); b += 32) quant_llama_block(four, rot.data() + b, lq.data() + b);
+                for (std::uint32_t d = 0; d < s.dim_k(); ++d) {
+                    const double want = r[d] * f;
+                    num += std::abs(row[h * s.dim_k() + d] - want);
+                    den += std::abs(want);
+                    sq += (row[h * s.dim_k() + d] - want) * (row[h * s.dim_k() + d] - want);
+                    sq_llama += (lq[d] - want) * (lq[d] - want);
+                    ref2 += want * want;
+                }
+            }
+        }
+    }
+    CHECK(found == now.size());
+    return {num / den, sq / ref2, sq_llama / ref2};
+}
+
+template <class E, class Layout>
+void quant_kshift_suite(const char* what, std::uint32_t n_cells) {
+    constexpr bool four = std::is_same_v<E, q4_0>;
+    std::mt19937 rng(778);
+    kshift_errors total;
+    int n = 0;
+    for (auto type : {kvcache::rope_type::normal, kvcache::rope_type::neox}) {
+        for (std::uint32_t dk : {64u, 96u}) {
+            for (int threads : {1, 2}) {
+                CAPTURE(static_cast<int>(type));
+                CAPTURE(dk);
+                CAPTURE(threads);
+                auto s = quant_shape(2, dk, 0, n_cells, 1, type);
+                if (dk == 96) s.rope.n_rot = 48;  // partial rotary: the second unit row half rotated
+                kvcache::kv_cache<E, Layout> cache(s);
+                std::vector<pos_t> pos;
+                for (pos_t i = 0; i < 40; ++i) pos.push_back(100 + i);
+                const auto x = kvtest::fill_rope(cache, pos, rng);
+                const auto v_before = kvtest::all_bytes(cache, true);
+                const auto k_before = kvtest::all_bytes(cache, false);
+                REQUIRE(cache.seq_add(0, 125, -1, -60));
+                REQUIRE(cache.seq_add(0, 110, 125, 37));
+                std::vector<pos_t> now = pos;
+                for (auto& p : now) p = p < 110 ? p : p < 125 ? p + 37 : p - 60;
+                kvcache::ops::apply_k_shift(cache, threads,
+                                            threads == 1 ? kvcache::ops::kernel_path::scalar : kvcache::ops::kernel_path::simd);
+                CHECK_FALSE(cache.has_shift());
+                const auto e = quant_kshift_error(cache, x, pos, now, four);
+                // Two quantizations (write, shift): relative L1 ~2x one step's.
+                CHECK(e.rel_l1 <= (four ? 0.2 : 0.015));
+                CHECK(e.nmse <= 1.3 * e.llama_nmse);
+                total.nmse += e.nmse;
+                total.llama_nmse += e.llama_nmse;
+                ++n;
+                CHECK(kvtest::all_bytes(cache, true) == v_before);  // V untouched
+                // Unmoved cells keep their exact bytes (per-cell blocks: neighbours untouched).
+                const auto k_after = kvtest::all_bytes(cache, false);
+                const std::size_t per_cell = s.k_row_size() / 32;
+                for (std::uint32_t c = 0; c < cache.capacity(); ++c) {
+                    const pos_t pc = cache.cells().pos(c);
+                    if (pc < 100 || pc >= 110) continue;
+                    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+                        const std::size_t base = (std::size_t{l} * cache.capacity() + c) * per_cell;
+                        for (std::size_t u = 0; u < per_cell; ++u)
+                            REQUIRE(std::memcmp(&k_after[base + u], &k_before[base + u], sizeof(k_after[0])) == 0);
+                    }
+                }
+            }
+        }
+    }
+    std::printf("K-shift NMSE vs float64 RoPE at the new positions, %s %s: kvcache %.3e, llama.cpp format %.3e\n",
+                std::string(E::name).c_str(), what, total.nmse / n, total.llama_nmse / n);
+}
+
+}  // namespace
+
+TEST_CASE("q8_0: K-shift against the float64 RoPE oracle (contiguous)") {
+    quant_kshift_suite<q8_0, kvcache::contiguous<>>("contiguous", 100);
+}
+
+TEST_CASE("q4_0: K-shift against the float64 RoPE oracle (paged)") {
+    quant_kshift_suite<q4_0, kvcache::paged<32, kvcache::v_layout::transposed>>("paged", 128);
+}
+
+// ------------------------------------------------------------------ state files, defrag, transactions
+
+namespace {
+
+template <class A, class B>
+void quant_same_tokens(const A& a, const B& b) {
+    const auto& s = a.shape();
+    std::size_t tokens = 0;
+    for (std::uint32_t ca = 0; ca < a.n_window(); ++ca) {
+        const pos_t p = a.cells().pos(ca);
+        if (p < 0) continue;
+        ++tokens;
+        bool found = false;
+        for (std::uint32_t cb = 0; cb < b.n_window() && !found; ++cb) {
+            if (b.cells().pos(cb) != p || !(b.cells().seqs(cb) == a.cells().seqs(ca))) continue;
+            found = true;
+            for (std::uint32_t l = 0; l < s.n_layer; ++l)
+                for (bool v_side : {false, true}) {
+                    std::vector<typename A::storage_type> x;
+                    std::vector<typename B::storage_type> y;
+                    a.storage().cell_bytes(l, ca, v_side, x);
+                    b.storage().cell_bytes(l, cb, v_side, y);
+                    REQUIRE(x.size() == y.size());
+                    CHECK(std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0);
+                }
+        }
+        CHECK(found);
+    }
+    CHECK(tokens > 0);
+    CHECK(b.used() == a.used());
+}
+
+}  // namespace
+
+TEST_CASE("q8_0 / q4_0: state save / load round trip is bit-exact; other elements refuse the state") {
+    const auto s = quant_shape(2, 96, 64, 256, 4, kvcache::rope_type::neox);
+    kvcache::kv_cache<q8_0> a(s);
+    quant_fill fc;
+    quant_build(a, fc, 99);
+    const auto bytes = kvcache::io::save_state(a);
+    // 34 bytes per 32 values: the K/V data is 17/32 of f32's.
+    CHECK(a.bytes_per_token() == std::size_t{2} * 2 * (96 + 64) / 32 * 34);
+    kvcache::kv_cache<q8_0> b(s);
+    REQUIRE(kvcache::io::load_state(b, bytes).ok());
+    quant_same_tokens(a, b);
+    // Across layouts (row-major into transposed V, contiguous into paged).
+    kvcache::kv_cache<q8_0, kvcache::contiguous<kvcache::v_layout::transposed>> t(s);
+    REQUIRE(kvcache::io::load_state(t, bytes).ok());
+    quant_same_tokens(a, t);
+    CHECK(kvcache::io::save_state(t).size() == bytes.size());
+    // Another element refuses the state (element type and size in the fingerprint) and stays empty.
+    kvcache::kv_cache<kvcache::f16> h(s);
+    auto r16 = kvcache::io::load_state(h, bytes);
+    REQUIRE_FALSE(r16.ok());
+    CHECK(r16.code() == kvcache::errc::dtype_mismatch);
+    CHECK(h.used() == 0);
+    kvcache::kv_cache<q4_0, kvcache::paged<32, kvcache::v_layout::transposed>> f(s);
+    auto r4 = kvcache::io::load_state(f, bytes);
+    REQUIRE_FALSE(r4.ok());
+    CHECK(r4.code() == kvcache::errc::dtype_mismatch);
+    CHECK(f.used() == 0);
+    // q4_0's own round trip, paged with transposed V.
+    quant_fill fc1;  // one sequence (a paged state of shared cells needs blocks per sequence)
+    fc1.n_seq = 1;
+    fc1.shared = false;
+    quant_build(f, fc1, 7);
+    kvcache::kv_cache<q4_0, kvcache::paged<32, kvcache::v_layout::transposed>> g(s);
+    const auto rg = kvcache::io::load_state(g, kvcache::io::save_state(f));
+    const std::string rg_msg = rg.ok() ? std::string() : rg.message();
+    INFO(rg_msg);
+    REQUIRE(rg.ok());
+    quant_same_tokens(f, g);
+    // A truncated state is refused and changes nothing.
+    auto cut = bytes;
+    cut.resize(cut.size() - 40);
+    kvcache::kv_cache<q8_0> c(s);
+    CHECK_FALSE(kvcache::io::load_state(c, cut).ok());
+    CHECK(c.used() == 0);
+}
+
+TEST_CASE("q8_0: defrag moves whole blocks (attention unchanged bit for bit); restore() puts blocks back") {
+    const auto s = quant_shape(2, 64, 0, 200, 4);
+    kvcache::kv_cache<q8_0> cache(s);
+    quant_fill fc;
+    quant_build(cache, fc, 5);
+    for (seq_id_t sq = 0; sq < 3; ++sq) REQUIRE(cache.seq_rm(sq, 20, 40));
+    kvcache::kv_cache<q8_0> before(s);
+    REQUIRE(kvcache::io::load_state(before, kvcache::io::save_state(cache)).ok());
+    kvcache::ops::defrag_params dp;
+    dp.threshold = 0.0f;
+    dp.min_cells = 1;
+    const auto res = kvcache::ops::defrag(cache, dp);
+    CHECK(res.moves > 0);
+    quant_same_tokens(before, cache);
+    // A transaction that is restored leaves every held cell's blocks as they were.
+    kvcache::kv_cache<q8_0> snap(s);
+    REQUIRE(kvcache::io::load_state(snap, kvcache::io::save_state(cache)).ok());
+    std::vector<pos_t> pos = {500, 501, 502};
+    std::vector<seq_id_t> seq(3, 1);
+    auto pl = cache.place(pos, seq);
+    REQUIRE(pl.ok());
+    std::vector<float> k(3 * s.k_row_size(), 3.0f), v(3 * s.v_row_size(), -2.0f);
+    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+        cache.write_k(l, pl.value().cells, k.data());
+        cache.write_v(l, pl.value().cells, v.data());
+    }
+    cache.restore();
+    quant_same_tokens(snap, cache);
+}
+
+TEST_CASE("q8_0 / q4_0: bad inputs") {
+    // Head dimensions must be multiples of 32 (blocks of 32 values of one cell).
+    auto s = quant_shape(1, 40, 0, 64, 1);
+    CHECK_THROWS_WITH_AS(kvcache::kv_cache<q8_0>{s}, doctest::Contains("head_dim_k = 40"), kvcache::error);
+    s = quant_shape(1, 64, 48, 64, 1);
+    using paged4 = kvcache::kv_cache<q4_0, kvcache::paged<32, kvcache::v_layout::transposed>>;
+    CHECK_THROWS_WITH_AS(paged4{s},
+                         doctest::Contains("head_dim_v = 48"), kvcache::error);
+    // A NaN written into K: that cell's block (32 dimensions) reads back NaN, so every
+    // attention row that sees the cell is NaN; rows that do not see it stay finite.
+    s = quant_shape(1, 64, 0, 64, 2);
+    kvcache::kv_cache<q8_0> cache(s);
+    std::vector<pos_t> pos = {0, 1, 2, 3};
+    std::vector<seq_id_t> seq = {0, 0, 1, 1};
+    auto pl = cache.place(pos, seq);
+    REQUIRE(pl.ok());
+    std::vector<float> k(4 * 64, 0.5f), v(4 * 64, 1.0f);
+    k[64 * 2 + 7] = std::numeric_limits<float>::quiet_NaN();  // sequence 1, position 2
+    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+        cache.write_k(l, pl.value().cells, k.data());
+        cache.write_v(l, pl.value().cells, v.data());
+    }
+    static_cast<void>(cache.commit());
+    std::vector<float> row(64);
+    cache.read_k(0, pl.value().cells[2], row.data());
+    for (int d = 0; d < 64; ++d) CHECK(std::isnan(row[d]) == (d < 32));
+    cache.read_k(0, pl.value().cells[3], row.data());
+    for (float x : row) CHECK(x == doctest::Approx(0.5f).epsilon(1e-3));
+    std::vector<float> q(2 * 64, 0.1f), out(2 * 64);
+    std::vector<pos_t> qp = {5, 5};
+    std::vector<seq_id_t> qs = {0, 1};
+    kvcache::ops::attention_params p;
+    p.n_head = 1;
+    kvcache::ops::attention_workspace ws;
+    kvcache::ops::attention(cache, 0, q.data(), qp.data(), qs.data(), 2, p, out.data(), ws);
+    for (int d = 0; d < 64; ++d) {
+        CHECK(out[d] == doctest::Approx(1.0f).epsilon(1e-3));
+        CHECK(std::isnan(out[64 + d]));
+    }
+}

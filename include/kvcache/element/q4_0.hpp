@@ -19,6 +19,8 @@ KVCACHE_BEGIN_NAMESPACE
 struct block_q4_0 {
     half d;                ///< scale (binary16)
     std::uint8_t qs[16];   ///< nibbles
+    /// Bitwise equality (the scale's bits, then the codes).
+    friend bool operator==(const block_q4_0&, const block_q4_0&) = default;
 };
 static_assert(sizeof(block_q4_0) == 18, "block_q4_0 is llama.cpp's 18-byte block");
 

@@ -17,6 +17,8 @@ KVCACHE_BEGIN_NAMESPACE
 struct block_q8_0 {
     half d;                ///< scale (binary16)
     std::int8_t qs[32];    ///< quantized values
+    /// Bitwise equality (the scale's bits, then the codes).
+    friend bool operator==(const block_q8_0&, const block_q8_0&) = default;
 };
 static_assert(sizeof(block_q8_0) == 34, "block_q8_0 is llama.cpp's 34-byte block");
 
