@@ -106,7 +106,7 @@ public:
     static_assert(detail::check_element<element>(),  // (one static_assert per member inside)
                   "kvcache: the element policy does not satisfy kvcache::element_policy (see kvcache/concepts.hpp)");
     static_assert(detail::check_tiled_element<element>(),
-                  "kvcache: block elements are not supported by the tiled layouts yet");
+                  "kvcache: the tiled layouts store elements of block_size 1 or 32 only");
     static_assert(layout_policy<layout>,
                   "kvcache: the layout policy does not satisfy kvcache::layout_policy (see kvcache/concepts.hpp)");
     static_assert(requires { typename layout::template storage<element>; },
