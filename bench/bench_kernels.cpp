@@ -11,6 +11,8 @@
 // per sequence, same run: counter vs_separate),
 // kshift_rope/<type>/<rope>/<llama3|yarn>/n_cells:16384/threads:<t> (scaled RoPE, paired with
 // the plain K-shift in each iteration; counter vs_plain = scaled / plain seconds),
+// attn_decode/<q8_0|q4_0>/n_kv:16384/threads:<1|2> (quantized K/V; counter vs_f16 = f16 /
+// quantized seconds, both decodes in the same iterations),
 // membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
 // membw_kv_compute/<blocked|together>/threads:<t> (the two streams with decode's FMAs per
 // byte, read one after the other or together),
@@ -97,9 +99,10 @@ std::unique_ptr<cache_t<E>> make_cache(std::uint32_t n_cells, std::uint32_t n_kv
     std::normal_distribution<float> nd(0.0f, 0.5f);
     std::vector<float> pf(65536);
     for (auto& x : pf) x = nd(rng);
-    std::vector<T> pattern(pf.size());
+    constexpr std::size_t B = kvcache::element_block_size_v<E>;  // values per storage unit
+    std::vector<T> pattern(pf.size() / B);
     E::from_float(pf.data(), pattern.data(), pf.size());
-    const std::size_t k_elems = std::size_t{cache->storage().n_cells_padded()} * head_dim * hkv;
+    const std::size_t k_elems = std::size_t{cache->storage().n_cells_padded()} * head_dim * hkv / B;
     for (std::uint32_t l = 0; l < n_layer; ++l) {
         auto v = cache->storage().view(l);
         for (T* base : {v.k, v.v})
@@ -144,7 +147,7 @@ cache_t<E>& shared_cache(std::uint32_t n_cells, std::uint32_t n_kv, std::uint32_
         std::rotate(it, it + 1, held.end());
         return *static_cast<cache_t<E>*>(held.back().cache.get());
     }
-    const std::size_t bytes = std::size_t{n_cells} * hkv * head_dim * 2 * sizeof(typename E::storage_type) * n_layer;
+    const std::size_t bytes = std::size_t{n_cells} * hkv * kvcache::values_bytes<E>(head_dim * 2) * n_layer;
     std::size_t total = bytes;
     for (const auto& h : held) total += h.bytes;
     while (!held.empty() && total > hold_budget()) {  // free the oldest before allocating
@@ -252,6 +255,48 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
     report(state, timer, bytes, 0.0, fmas, yard.rate(), 0.0, threads);
     if (path == kvcache::ops::kernel_path::simd && hkv == n_head_kv_default)
         state.counters["attn_tok_s_32l"] = tokens_per_s_32_layers(1.0, timer.total / static_cast<double>(state.iterations()));
+}
+
+// attn_decode/<q8_0|q4_0>/n_kv:<cells>/threads:<t>: decode over a quantized cache (for now
+// the generic path: each tile dequantized into f32 scratch, then the f32 kernel); counter
+// vs_f16 = f16 decode seconds / quantized decode seconds, the f16 decode of the same shape
+// run in the same iterations outside the timed region; GBps: quantized bytes read per second.
+template <class E>
+void attn_decode_quant(benchmark::State& state, std::uint32_t n_kv, int threads) {
+    const std::uint32_t hkv = n_head_kv_default;
+    const std::size_t layer_bytes = std::size_t{n_kv} * hkv * kvcache::values_bytes<E>(head_dim * 2);
+    const std::size_t f16_layer_bytes = std::size_t{n_kv} * hkv * kvcache::values_bytes<kvcache::f16>(head_dim * 2);
+    const std::uint32_t n_layer = cold_layers(layer_bytes), n_layer16 = cold_layers(f16_layer_bytes);
+    cache_t<kvcache::f16>* const c16 = &shared_cache<kvcache::f16>(n_kv, n_kv, n_layer16, hkv);
+    cache_t<E>* const cache = &shared_cache<E>(n_kv, n_kv, n_layer, hkv);
+    const std::uint32_t nh = n_head;
+    const auto q = random_q(std::size_t{nh} * head_dim);
+    std::vector<float> out(std::size_t{nh} * head_dim);
+    const pos_t qp = static_cast<pos_t>(n_kv);
+    const seq_id_t qs = 0;
+    kvcache::ops::attention_params p;
+    p.n_head = nh;
+    p.n_threads = threads;
+    kvcache::ops::attention_workspace ws, ws16;
+    kvcache::ops::attention(*cache, 0, q.data(), &qp, &qs, 1, p, out.data(), ws);
+    kvcache::ops::attention(*c16, 0, q.data(), &qp, &qs, 1, p, out.data(), ws16);
+    std::uint32_t layer = 0, layer16 = 0;
+    kernel_timer timer, timer16;
+    for (auto _ : state) {
+        timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, p, out.data(), ws); });
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        layer = layer + 1 == n_layer ? 0 : layer + 1;
+        state.PauseTiming();
+        timer16.run([&] { kvcache::ops::attention(*c16, layer16, q.data(), &qp, &qs, 1, p, out.data(), ws16); });
+        benchmark::DoNotOptimize(out.data());
+        layer16 = layer16 + 1 == n_layer16 ? 0 : layer16 + 1;
+        state.ResumeTiming();
+    }
+    const double iters = static_cast<double>(state.iterations());
+    state.counters["threads"] = threads;
+    state.counters["vs_f16"] = timer16.total / (timer.total > 0.0 ? timer.total : 1e-30);
+    state.counters["GBps"] = static_cast<double>(layer_bytes) * iters / (timer.total > 0.0 ? timer.total : 1e-30) * 1e-9;
 }
 
 // ---------------------------------------------------------------- decode's access pattern, no arithmetic
@@ -763,6 +808,15 @@ const bool registered = [] {
                 ->Unit(benchmark::kMillisecond);
     register_type<kvcache::f16>();
     register_multi<kvcache::f16>();
+    for (int th : {1, 2}) {
+        const std::string ts = "/n_kv:16384/threads:" + std::to_string(th);
+        benchmark::RegisterBenchmark(("attn_decode/q8_0" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_decode_quant<kvcache::q8_0>(st, 16384, th); })
+            ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        benchmark::RegisterBenchmark(("attn_decode/q4_0" + ts).c_str(),
+                                     [th](benchmark::State& st) { attn_decode_quant<kvcache::q4_0>(st, 16384, th); })
+            ->UseRealTime()->Unit(benchmark::kMicrosecond);
+    }
     register_type<kvcache::f32>();
     register_type<kvcache::bf16>();
     return true;

@@ -65,9 +65,10 @@ concept has_policy_name = requires {
 //        share state (e.g. llama.cpp's q8_0 / q4_0: 32 values and one scale), and
 //        to_float / from_float are only ever called with n a multiple of block_size,
 //        on whole blocks (src / dst pointing at the start of a block). Must be >= 1.
-//        Block elements (block_size > 1) satisfy element_policy, but the tiled layouts
-//        (contiguous, paged, ring) do not store them yet: kv_cache refuses them with a
-//        static_assert ("block elements ... are not supported by the tiled layouts yet").
+//        The tiled layouts (contiguous, paged, ring) store block_size 1 and 32 (one
+//        storage_type per 32 values of one cell: format/kv_view.hpp, "Block elements";
+//        built in: q8_0, q4_0); kv_cache refuses other block sizes with a static_assert
+//        ("... store elements of block_size 1 or 32 ...").
 //
 // kv_cache checks each member with its own static_assert (element/contract.hpp), so
 // the first error line of a non-conforming element names the member that is wrong.
@@ -120,9 +121,10 @@ concept element_policy = policy_of_kind<E, element_tag> && has_policy_name<E> &&
                          element_has_storage_type<E> && element_has_to_float<E> && element_has_from_float<E> &&
                          element_has_valid_block_size<E>;
 
-/// An element the tiled K/V format can store: one storage_type per value (block_size 1).
+/// An element the tiled K/V format can store: one storage_type per value (block_size 1)
+/// or per 32 values of one cell (block_size 32).
 template <class E>
-concept tiled_element = element_policy<E> && element_block_size_v<E> == 1;
+concept tiled_element = element_policy<E> && (element_block_size_v<E> == 1 || element_block_size_v<E> == 32);
 
 // ---------------------------------------------------------------------------
 // Layout policy.

@@ -5,7 +5,7 @@
 //                       basics: macros, errors, shapes, positions, policy tags and concepts
 //   tokens/             token ids, media chunks, prompt_tokens (what reuse plans compare)
 //   simd/               arch-specific helpers (f16/bf16 conversion, tile loads)
-//   element/            f32, f16, bf16 element policies
+//   element/            f32, f16, bf16, q8_0, q4_0 element policies
 //   format/             the physical K/V format (tiles, V blocks, views) layouts write and
 //                       kernels and state files read
 //   cells/              per-cell metadata (positions, sequence sets, shifts) and indexes
@@ -27,6 +27,8 @@
 #include "element/f32.hpp"
 #include "element/f16.hpp"
 #include "element/bf16.hpp"
+#include "element/q4_0.hpp"
+#include "element/q8_0.hpp"
 #include "format/kv_view.hpp"
 #include "cells/seq_set.hpp"
 #include "cells/cell_table.hpp"

@@ -1,7 +1,7 @@
-// expect: kvcache: block elements \(element block_size > 1\) are not supported by the tiled layouts yet
-// A block element (32 values sharing a scale, like llama.cpp's q8_0) satisfies
-// element_policy, but the tiled layouts store one storage_type per value: kv_cache
-// refuses it with a message that says so.
+// expect: kvcache: the tiled layouts \(contiguous, paged, ring\) store elements of block_size 1 or 32
+// A block element of 16 values satisfies element_policy, but the tiled layouts store
+// blocks of 32 values only (or single values): kv_cache refuses it with a message that
+// says so.
 #include <kvcache/kvcache.hpp>
 
 #include <cstdint>
@@ -11,7 +11,7 @@ struct q8_block_element {
     using storage_type = std::int8_t;
     static constexpr std::string_view name = "q8_block";
     static constexpr std::uint32_t type_id = 97;
-    static constexpr std::uint32_t block_size = 32;
+    static constexpr std::uint32_t block_size = 16;
     static void to_float(const std::int8_t* src, float* dst, std::size_t n) noexcept {
         for (std::size_t i = 0; i < n; ++i) dst[i] = src[i];
     }
@@ -20,7 +20,7 @@ struct q8_block_element {
     }
 };
 static_assert(kvcache::element_policy<q8_block_element>);  // the contract admits block elements
-static_assert(kvcache::element_block_size_v<q8_block_element> == 32);
+static_assert(kvcache::element_block_size_v<q8_block_element> == 16);
 static_assert(!kvcache::tiled_element<q8_block_element>);
 
 int main() {

@@ -40,9 +40,9 @@ static_assert(kvcache::element_block_size_v<kvcache::f16> == 1);
 static_assert(kvcache::element_block_size_v<blocky<32>> == 32);
 static_assert(kvcache::element_policy<blocky<32>> && kvcache::element_policy<blocky<1>>);
 static_assert(!kvcache::element_policy<blocky<0>>);
-// The tiled layouts store one value per storage_type: block elements are not tiled elements.
+// The tiled layouts store one value per storage_type, or blocks of 32 values of one cell.
 static_assert(kvcache::tiled_element<plain> && kvcache::tiled_element<blocky<1>>);
-static_assert(!kvcache::tiled_element<blocky<32>>);
+static_assert(kvcache::tiled_element<blocky<32>> && !kvcache::tiled_element<blocky<16>>);
 // to_float / from_float must be noexcept.
 static_assert(!kvcache::element_policy<throwing_from_float>);
 // Only the built-in elements are read with SIMD loads; every other goes through to_float.

@@ -4,7 +4,8 @@
 // kv_cache<...> runs detail::check_element<E>() (every member of concepts.hpp's
 // "Element policy" with its own static_assert, so the first error names the member
 // that is missing or wrong) and detail::check_tiled_element<E>() (the tiled layouts
-// store one storage_type per value: block elements are refused).
+// store one storage_type per value, or one per 32 values of one cell for block elements
+// with block_size 32 such as q8_0 / q4_0; other block sizes are refused).
 //
 // detail::has_simd_storage<E>: true for the built-in f32, f16 and bf16, whose storage
 // the kernels load and store with SIMD (simd/tile_io.hpp). For every other element the
@@ -19,6 +20,8 @@
 // attention rows that see the cell NaN or inf, never a silent finite value).
 #pragma once
 
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::uint32_t
 #include <type_traits>  // std::is_same_v
 
 #include "../concepts.hpp"
@@ -28,6 +31,22 @@
 #include "f32.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
+
+/// Bytes that n values of element E occupy in the tiled format (n a multiple of E's
+/// block_size): e.g. 64 for 32 f16 values, 34 for 32 q8_0 values, 18 for 32 q4_0 values.
+template <class E>
+constexpr std::size_t values_bytes(std::size_t n) noexcept {
+    return n / element_block_size_v<E> * sizeof(typename E::storage_type);
+}
+
+/// log2 of the values per storage unit of E in the tiled format (0, or 5 for block_size 32).
+template <class E>
+inline constexpr std::uint32_t block_log2 = element_block_size_v<E> == 32 ? 5u : 0u;
+
+/// Whether E is a block element (values grouped in blocks that share state).
+template <class E>
+inline constexpr bool is_block_element = element_block_size_v<E> > 1;
+
 namespace detail {
 
 /// Whether the kernels read element E's storage with SIMD loads (the built-in elements).
@@ -67,14 +86,16 @@ consteval bool check_element() {
 }
 
 /// Checks that the tiled K/V format (format/kv_view.hpp) can store E: one storage_type
-/// per value. True for every element_policy with block_size 1.
+/// per value (block_size 1), or one per block of 32 values of one cell (block_size 32,
+/// "Block elements" in format/kv_view.hpp).
 template <class E>
 consteval bool check_tiled_element() {
-    static_assert(element_block_size_v<E> <= 1,  // (0 is refused by check_element)
-                  "kvcache: block elements (element block_size > 1) are not supported by the tiled layouts yet: "
-                  "contiguous, paged and ring store one storage_type per value");
-    return element_block_size_v<E> <= 1;
+    static_assert(element_block_size_v<E> == 1 || element_block_size_v<E> == 32,
+                  "kvcache: the tiled layouts (contiguous, paged, ring) store elements of block_size 1 or 32 "
+                  "(one storage_type per value, or per 32 values of one cell); other block sizes are not supported");
+    return element_block_size_v<E> == 1 || element_block_size_v<E> == 32;
 }
+
 
 }  // namespace detail
 KVCACHE_END_NAMESPACE

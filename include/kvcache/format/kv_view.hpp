@@ -46,6 +46,24 @@
 //                                                                              (row-major)
 //                 = l*v_layer_stride + h*v_head_stride + d*cp + c             (transposed)
 // with k_head_stride = cp*dim_k, v_head_stride = cp*dim_v.
+//
+// Block elements (element block_size 32: q8_0, q4_0): one storage unit holds 32 values of
+// ONE cell (a block with its scale), so every cell's bytes stay its own (writing, copying,
+// backing up or loading one cell never touches another cell's bytes, as with the plain
+// elements). Offsets are then in units; with b = block_size (requires dim_k % 32 == 0 and
+// dim_v % 32 == 0):
+//   K unit (h, c, row-block u) = h*k_head_stride + (c / 32)*32*(dim_k/b) + u*32 + c % 32,
+//     holding rows [32u, 32u + 32) (RoPE pair order: a NeoX pair never straddles two units)
+//   V unit (row-major)  = ... + (c / 32)*32*(dim_v/b) + v_in_tile(c % 32, d) / b
+//     (each cell's piece of a 64-dimension V block is w/b consecutive units)
+//   V unit (transposed) = h*v_head_stride + (d / b)*cp + c
+// with k_head_stride = cp*dim_k/b, v_head_stride = cp*dim_v/b. So a K tile is
+// [dim_k/b unit rows][32 cells], the same shape as a plain tile with rows of 32 values
+// each; the value at dimension d is lane k_row(d) % b of its K unit, lane d % b of its V
+// unit. Bytes per 32 values: values_bytes<Element>(32) (element/contract.hpp).
+// Why blocks along the head dimension (per token) and not along the 32 cells of a K row
+// (per channel, KIVI): a per-channel block's scale is shared by 32 cells that may belong
+// to different sequences, and writing one cell would re-quantize the other 31.
 #pragma once
 
 #include <cstddef>  // std::size_t
@@ -87,6 +105,14 @@ struct kv_layer_view {
     std::size_t v_head_stride = 0;  ///< elements between heads in v
     v_layout vl = v_layout::row_major;
     std::uint32_t neox_rot = 0;     ///< n_rot when K rows are in NeoX pair order, else 0
+    std::uint32_t block_log2 = 0;   ///< log2 of the values per storage unit (0, or 5 for block elements)
+
+    /// Values per storage unit: 1, or 32 for block elements (see "Block elements" above).
+    [[nodiscard]] std::uint32_t block() const noexcept { return 1u << block_log2; }
+    /// Storage units of one cell's K row of one head (dim_k / block()).
+    [[nodiscard]] std::uint32_t k_units() const noexcept { return dim_k >> block_log2; }
+    /// Storage units of one cell's V row of one head (dim_v / block()).
+    [[nodiscard]] std::uint32_t v_units() const noexcept { return dim_v >> block_log2; }
 
     /// Row of dimension d inside a K tile (see "RoPE pair order" above).
     [[nodiscard]] std::uint32_t k_row(std::uint32_t d) const noexcept {
@@ -96,29 +122,39 @@ struct kv_layer_view {
     }
     /// First element of K tile `tile` (cells [32*tile, 32*tile + 32)) of head h: dim_k rows of 32.
     [[nodiscard]] T* k_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
-        return k + h * k_head_stride + std::size_t{tile} * k_tile * dim_k;
+        return k + h * k_head_stride + std::size_t{tile} * k_tile * k_units();
     }
-    /// Offset of K element (h, cell, dimension d).
+    /// Offset of the K unit holding element (h, cell, dimension d) (the element itself
+    /// when block() == 1).
     [[nodiscard]] std::size_t k_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
-        return h * k_head_stride + std::size_t{c / k_tile} * k_tile * dim_k + std::size_t{k_row(d)} * k_tile + c % k_tile;
+        return k_unit(h, c, k_row(d) >> block_log2);
+    }
+    /// Offset of K unit u of (h, cell): rows [u*block(), (u+1)*block()) (u < k_units()).
+    [[nodiscard]] std::size_t k_unit(std::uint32_t h, std::uint32_t c, std::uint32_t u) const noexcept {
+        return h * k_head_stride + std::size_t{c / k_tile} * k_tile * k_units() + std::size_t{u} * k_tile + c % k_tile;
     }
     /// Row-major V: first element of tile `tile` (cells [32*tile, 32*tile + 32)) of head h.
     [[nodiscard]] T* v_tile_ptr(std::uint32_t h, std::uint32_t tile) const noexcept {
-        return v + h * v_head_stride + std::size_t{tile} * k_tile * dim_v;
+        return v + h * v_head_stride + std::size_t{tile} * k_tile * v_units();
     }
-    /// Row-major V: offset of (cell 32*tile + j, dimension d) from v_tile_ptr: blocks of
-    /// v_block dimensions, each [32 cells][v_block] (the last block narrower when
-    /// v_block does not divide dim_v).
+    /// Row-major V: offset in VALUES of (cell 32*tile + j, dimension d) from the start of a
+    /// tile: blocks of v_block dimensions, each [32 cells][v_block] (the last block
+    /// narrower when v_block does not divide dim_v). In units: v_in_tile(j, d) / block().
     [[nodiscard]] std::size_t v_in_tile(std::uint32_t j, std::uint32_t d) const noexcept {
         const std::uint32_t d0 = d / v_block * v_block;
         const std::uint32_t w = dim_v - d0 < v_block ? dim_v - d0 : v_block;
         return std::size_t{d0} * k_tile + std::size_t{j} * w + (d - d0);
     }
-    /// Offset of V element (h, cell, d) for either V layout.
+    /// Offset of the V unit holding element (h, cell, d) for either V layout (the element
+    /// itself when block() == 1).
     [[nodiscard]] std::size_t v_offset(std::uint32_t h, std::uint32_t c, std::uint32_t d) const noexcept {
-        return vl == v_layout::row_major
-                   ? h * v_head_stride + std::size_t{c / k_tile} * k_tile * dim_v + v_in_tile(c % k_tile, d)
-                   : h * v_head_stride + std::size_t{d} * n_cells_pad + c;
+        return vl == v_layout::row_major ? h * v_head_stride + std::size_t{c / k_tile} * k_tile * v_units() +
+                                               (v_in_tile(c % k_tile, d) >> block_log2)
+                                         : h * v_head_stride + std::size_t{d >> block_log2} * n_cells_pad + c;
+    }
+    /// Offset of V unit u of (h, cell): dimensions [u*block(), (u+1)*block()) (u < v_units()).
+    [[nodiscard]] std::size_t v_unit(std::uint32_t h, std::uint32_t c, std::uint32_t u) const noexcept {
+        return v_offset(h, c, u << block_log2);
     }
 };
 

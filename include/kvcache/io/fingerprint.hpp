@@ -140,7 +140,7 @@ fingerprint fingerprint_of(const Cache& cache) noexcept {
     f.head_dim_k = s.dim_k();
     f.head_dim_v = s.dim_v();
     f.type_id = static_cast<std::uint32_t>(Cache::element::type_id);
-    f.elem_size = static_cast<std::uint32_t>(sizeof(typename Cache::storage_type));
+    f.elem_size = elem_size_word(sizeof(typename Cache::storage_type), element_block_size_v<typename Cache::element>);
     f.rope_type = static_cast<std::uint32_t>(s.rope.type);
     f.n_rot = s.n_rot();
     std::memcpy(&f.freq_base_bits, &s.rope.freq_base, 4);

@@ -41,6 +41,13 @@
 //                              K tiles are 32 cells wide (format/kv_view.hpp); the
 //                              format keeps 16 so that files do not depend on it
 //                           V: n_cells rows of head_dim_v elements
+//                         Block elements (elem_size bits 16-31 = values per unit b,
+//                         e.g. q8_0: 34 | 32 << 16): "elements" are the cache's storage
+//                         units of b values of one cell (format/kv_view.hpp, "Block
+//                         elements"): K tiles of [head_dim_k / b][16 cells] units, unit
+//                         rows in the cache's row order (NeoX pair order kept: the units
+//                         cannot be re-cut without re-quantizing), V rows of
+//                         head_dim_v / b units in dimension order.
 //   end-8  8     XXH3-64 of every byte before it
 //
 // Cells appear in the order of their cell index in the saved cache; the K/V of
@@ -82,6 +89,17 @@ inline constexpr std::uint32_t state_magic = 0x5453564Bu;
 inline constexpr std::uint32_t state_version = 1;
 /// Cells per K tile in the format (see "data" above), whatever the cache's k_tile.
 inline constexpr std::uint32_t state_k_lanes = 16;
+/// The fingerprint's elem_size word: bytes per storage unit in bits 0-15, values per unit
+/// in bits 16-31 (0 for one value per unit: f32, f16, bf16, so their words are unchanged).
+inline constexpr std::uint32_t elem_size_word(std::size_t unit_bytes, std::uint32_t values) noexcept {
+    return static_cast<std::uint32_t>(unit_bytes) | (values > 1 ? values << 16 : 0u);
+}
+/// Bytes per storage unit of an elem_size word.
+inline constexpr std::uint32_t elem_unit_bytes(std::uint32_t word) noexcept { return word & 0xFFFFu; }
+/// Values per storage unit of an elem_size word (>= 1).
+inline constexpr std::uint32_t elem_unit_values(std::uint32_t word) noexcept {
+    return (word >> 16) == 0 ? 1u : word >> 16;
+}
 /// Bytes before the token list.
 inline constexpr std::size_t state_header_size = 104;
 /// Bytes of the trailing checksum.

@@ -367,12 +367,13 @@ maybe_problem k_padding(parse_context<Cache>& c) {
     constexpr std::uint32_t w = state_k_lanes;
     const std::uint32_t tail = static_cast<std::uint32_t>(n % w);
     if (tail == 0) return std::nullopt;
-    const std::size_t es = f.elem_size;
-    const std::size_t tile_bytes = std::size_t{w} * f.head_dim_k * es;
+    const std::size_t es = elem_unit_bytes(f.elem_size);
+    const std::uint32_t rows = f.head_dim_k / elem_unit_values(f.elem_size);  // (units for block elements)
+    const std::size_t tile_bytes = std::size_t{w} * rows * es;
     for (std::uint32_t l = 0; l < f.n_layer; ++l)
         for (std::uint32_t h = 0; h < f.n_head_kv; ++h) {
             const std::byte* last = c.st.data + l * c.ls.layer + h * c.ls.k_head + c.ls.k_head - tile_bytes;
-            for (std::uint32_t d = 0; d < f.head_dim_k; ++d)
+            for (std::uint32_t d = 0; d < rows; ++d)
                 for (std::size_t b = (d * std::size_t{w} + tail) * es; b < (d + 1) * std::size_t{w} * es; ++b)
                     if (last[b] != std::byte{0})
                         return fail(errc::invalid_cell, "layer " + std::to_string(l) + " head " + std::to_string(h) +

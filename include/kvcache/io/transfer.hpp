@@ -73,11 +73,13 @@ struct layer_sizes {
 
 inline std::optional<layer_sizes> sizes_for(const fingerprint& f, std::uint64_t n_cells) {
     const std::uint64_t tiles = (n_cells + state_k_lanes - 1) / state_k_lanes;
-    const auto k_elems = mul_u64(tiles, std::uint64_t{state_k_lanes} * f.head_dim_k);
-    const auto v_elems = mul_u64(n_cells, f.head_dim_v);
+    const std::uint32_t b = elem_unit_values(f.elem_size);  // values per unit (block elements)
+    if (f.head_dim_k % b != 0 || f.head_dim_v % b != 0) return std::nullopt;
+    const auto k_elems = mul_u64(tiles, std::uint64_t{state_k_lanes} * (f.head_dim_k / b));
+    const auto v_elems = mul_u64(n_cells, f.head_dim_v / b);
     if (!k_elems || !v_elems) return std::nullopt;
-    const auto k_head = mul_u64(*k_elems, f.elem_size);
-    const auto v_head = mul_u64(*v_elems, f.elem_size);
+    const auto k_head = mul_u64(*k_elems, elem_unit_bytes(f.elem_size));
+    const auto v_head = mul_u64(*v_elems, elem_unit_bytes(f.elem_size));
     if (!k_head || !v_head) return std::nullopt;
     const auto kv = add_u64(*k_head, *v_head);
     if (!kv) return std::nullopt;
@@ -89,7 +91,8 @@ inline std::optional<layer_sizes> sizes_for(const fingerprint& f, std::uint64_t 
 /// Moves one layer's K/V between the storage cells in `map` and the format bytes at
 /// `fmt`: Save copies storage -> format and feeds the format bytes to `hash` in file
 /// order, in chunks small enough to be hashed while still in cache; !Save copies
-/// format -> storage. T is const for Save.
+/// format -> storage. T is const for Save. Block elements move whole storage units
+/// (format.hpp: K unit rows in the cache's row order, V units in dimension order).
 template <bool Save, class T, class B>
 void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<const std::uint32_t> map, B* fmt,
                     hasher* hash) {
@@ -104,8 +107,12 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
         if constexpr (Save) hash->update(fmt + f, n);
     };
     constexpr std::uint32_t w = state_k_lanes;
-    const std::size_t tile_bytes = std::size_t{w} * v.dim_k * es;  // one format K tile
-    const std::size_t row_bytes = std::size_t{v.dim_v} * es;
+    const std::uint32_t kr = v.k_units(), lg = v.block_log2;  // K rows (unit rows) of a tile
+    const std::size_t tile_bytes = std::size_t{w} * kr * es;  // one format K tile
+    const std::size_t row_bytes = std::size_t{v.v_units()} * es;
+    // Storage row of format row r: dimension order -> RoPE pair order for values, the same
+    // unit row for block elements.
+    auto srow = [&v, lg](std::uint32_t r) { return lg == 0 ? v.k_row(r) : r; };
     // A format tile's rows are 16 lanes of one dimension, in dimension order; in the
     // storage they are part of a k_tile-wide row, in RoPE pair order (format/kv_view.hpp,
     // which differs for NeoX): an aligned tile moves row by row, 16 lanes at a time.
@@ -118,8 +125,8 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
                     const std::uint32_t c0 = (sg.to + t) * w;  // first storage cell
                     T* part = v.k_tile_ptr(h, c0 / k_tile) + c0 % k_tile;
                     const std::size_t ft = f0 + t * tile_bytes;
-                    for (std::uint32_t d = 0; d < v.dim_k; ++d)
-                        move(ft + std::size_t{d} * w * es, part + std::size_t{v.k_row(d)} * k_tile, w * es);
+                    for (std::uint32_t d = 0; d < kr; ++d)
+                        move(ft + std::size_t{d} * w * es, part + std::size_t{srow(d)} * k_tile, w * es);
                     hashed(ft, tile_bytes);
                 }
                 continue;
@@ -129,9 +136,9 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
                 if (n < w) std::memset(fmt + f0, 0, tile_bytes);  // lanes past n_cells stay zero
             std::size_t base[w];  // dimension d of lane j is at v.k[base[j] + k_row(d) * k_tile]
             for (std::uint32_t j = 0; j < n; ++j) base[j] = v.k_offset(h, map[sg.from * w + j], 0);
-            for (std::uint32_t d = 0; d < v.dim_k; ++d)
+            for (std::uint32_t d = 0; d < kr; ++d)
                 for (std::uint32_t j = 0; j < n; ++j)
-                    move(f0 + (std::size_t{d} * w + j) * es, v.k + base[j] + std::size_t{v.k_row(d)} * k_tile, es);
+                    move(f0 + (std::size_t{d} * w + j) * es, v.k + base[j] + std::size_t{srow(d)} * k_tile, es);
             hashed(f0, tile_bytes);
         }
     }
@@ -150,12 +157,13 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
                     for (std::uint32_t d0 = 0; d0 < v.dim_v; d0 += v_block) {
                         T* piece = v.v + v.v_offset(h, c0, d0);  // cells c0.. of this block, back to back
                         const std::uint32_t w = std::min(v_block, v.dim_v - d0);
-                        if (w == v_block) {
+                        if (w == v_block && lg == 0) {
                             for (std::uint32_t j = 0; j < seg; ++j)
                                 move(f0 + j * row_bytes + d0 * es, piece + std::size_t{j} * v_block, v_block * es);  // constant size: inlined
                         } else {
+                            const std::uint32_t wu = w >> lg;  // units of this block per cell
                             for (std::uint32_t j = 0; j < seg; ++j)
-                                move(f0 + j * row_bytes + d0 * es, piece + std::size_t{j} * w, w * es);
+                                move(f0 + j * row_bytes + (d0 >> lg) * es, piece + std::size_t{j} * wu, wu * es);
                         }
                     }
                     hashed(f0, std::size_t{seg} * row_bytes);
@@ -165,7 +173,8 @@ void transfer_layer(const kv_layer_view<T>& v, const copy_plan& p, std::span<con
             continue;
         }
         for (std::uint32_t i = 0; i < p.n_cells; ++i) {
-            for (std::uint32_t d = 0; d < v.dim_v; ++d) move(at + i * row_bytes + d * es, v.v + v.v_offset(h, map[i], d), es);
+            for (std::uint32_t u = 0; u < v.v_units(); ++u)
+                move(at + i * row_bytes + u * es, v.v + v.v_unit(h, map[i], u), es);
             hashed(at + i * row_bytes, row_bytes);
         }
     }

@@ -44,16 +44,27 @@ struct scalar_attn_args {
     float* out = nullptr;                ///< n_q rows of n_head x dim_v
 };
 
-/// One stored value as float.
+/// One stored value as float: lane `lane` of the storage unit x (lane 0 unless Element
+/// is a block element, whose unit holds 32 values).
 template <class Element>
-inline float element_value(const typename Element::storage_type& x) noexcept {
-    if constexpr (detail::has_simd_storage<Element>) {
+inline float element_value(const typename Element::storage_type& x, std::uint32_t lane = 0) noexcept {
+    if constexpr (is_block_element<Element>) {
+        float f[element_block_size_v<Element>];
+        Element::to_float(&x, f, element_block_size_v<Element>);
+        return f[lane];
+    } else if constexpr (detail::has_simd_storage<Element>) {
         return simd::to_float(x);
     } else {
         float f;
         Element::to_float(&x, &f, 1);
         return f;
     }
+}
+
+/// Lane of K dimension d in its storage unit (0 for plain elements).
+template <class T>
+inline std::uint32_t k_lane(const kv_layer_view<T>& v, std::uint32_t d) noexcept {
+    return v.k_row(d) & (v.block() - 1);
 }
 
 /// Scalar attention over one layer view; acc: dim_v floats of scratch.
@@ -74,14 +85,14 @@ void attention_scalar(const kv_layer_view<const typename Element::storage_type>&
                 if (a.window > 0 && std::int64_t{pc} <= std::int64_t{a.q_pos[i]} - a.window) continue;
                 seen = true;
                 float sc = 0.0f;
-                for (std::uint32_t d = 0; d < dk; ++d) sc += qr[d] * element_value<Element>(v.k[v.k_offset(h, c, d)]);
+                for (std::uint32_t d = 0; d < dk; ++d) sc += qr[d] * element_value<Element>(v.k[v.k_offset(h, c, d)], k_lane(v, d));
                 sc *= a.scale;
                 if (a.softcap > 0.0f) sc = a.softcap * std::tanh(sc / a.softcap);
                 const float nm = sc > m ? sc : m;
                 const float alpha = std::exp(m - nm), w = std::exp(sc - nm);
                 l = l * alpha + w;
                 for (std::uint32_t d = 0; d < dv; ++d)
-                    acc[d] = acc[d] * alpha + w * element_value<Element>(v.v[v.v_offset(h, c, d)]);
+                    acc[d] = acc[d] * alpha + w * element_value<Element>(v.v[v.v_offset(h, c, d)], d & (v.block() - 1));
                 m = nm;
             }
             float* o = a.out + (std::size_t{i} * a.n_head + g) * dv;

@@ -113,17 +113,48 @@ inline void rotate_tile(T* tile, std::uint32_t n_rot, const tile_rotation& rot, 
 /// pair is converted with Element::to_float into a stack buffer, rotated by the same
 /// f32 code as the native path, and the moving cells are converted back with
 /// Element::from_float (cells outside rot.mask keep their stored bytes). Allocates nothing.
+///
+/// Block elements (block_size 32, format/kv_view.hpp "Block elements"): each unit row
+/// holding rotated rows (32 rows x 32 cells) is dequantized into a 4 KiB stack buffer,
+/// transposed to [row][cell], rotated in f32 with the exact angles, and each moving
+/// cell's unit is quantized again (its rows >= n_rot too, with the unit's new scale).
 template <class Element>
 inline void rotate_tile_converted(typename Element::storage_type* tile, std::uint32_t n_rot,
                                   const tile_rotation& rot, const float* cos_tab, const float* sin_tab) noexcept {
-    static_assert(element_block_size_v<Element> == 1,
-                  "kvcache: block elements (element block_size > 1) are not supported by the tiled layouts yet");
     using T = typename Element::storage_type;
+    if constexpr (element_block_size_v<Element> > 1) {
+        constexpr std::uint32_t B = element_block_size_v<Element>;
+        static_assert(B == k_tile, "kvcache: the tiled layouts store block_size 1 or 32");
+        const xsimd::batch_bool<float> keep[kshift_batches] = {};  // (unused: Partial = false)
+        alignas(64) float buf[B * k_tile];  // [row][cell]
+        alignas(64) float col[B];
+        const std::uint32_t n_pairs = n_rot / 2;
+        for (std::uint32_t u = 0; u * B < n_rot; ++u) {
+            T* units = tile + std::size_t{u} * k_tile;
+            for (std::uint32_t j = 0; j < k_tile; ++j) {
+                Element::to_float(units + j, col, B);
+                for (std::uint32_t i = 0; i < B; ++i) buf[std::size_t{i} * k_tile + j] = col[i];
+            }
+            const std::uint32_t i0 = u * B / 2;  // first pair of this unit row
+            const std::uint32_t np = n_pairs - i0 < B / 2 ? n_pairs - i0 : B / 2;
+            if (rot.uniform)
+                rotate_rows<true, false>(buf, np, cos_tab + i0, sin_tab + i0, keep, nullptr);
+            else
+                rotate_rows<false, false>(buf, np, rot.lane_cos + std::size_t{i0} * k_tile,
+                                          rot.lane_sin + std::size_t{i0} * k_tile, keep, nullptr);
+            for (tile_mask bits = rot.mask; bits != 0; bits &= bits - 1) {
+                const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
+                for (std::uint32_t i = 0; i < B; ++i) col[i] = buf[std::size_t{i} * k_tile + j];
+                Element::from_float(col, units + j, B);
+            }
+        }
+        return;
+    }
     constexpr std::size_t pair = 2 * std::size_t{k_tile};  // values of one row pair
     const xsimd::batch_bool<float> keep[kshift_batches] = {};  // (unused: the whole pair is rotated)
     const bool partial = rot.mask != k_tile_full;
     alignas(64) float buf[pair];
-    T back[pair];
+    T back[element_block_size_v<Element> == 1 ? pair : 1];
     for (std::uint32_t i = 0; i < n_rot / 2; ++i) {
         T* p = tile + std::size_t{i} * pair;
         Element::to_float(p, buf, pair);

@@ -8,6 +8,7 @@
 #include <cstring>    // std::memset
 #include <memory>     // std::unique_ptr
 #include <new>        // aligned operator new
+#include <string>     // messages
 #include <vector>     // conversion scratch
 
 #if defined(__linux__)
@@ -15,6 +16,8 @@
 #endif
 
 #include "../concepts.hpp"
+#include "../element/contract.hpp"
+#include "../error.hpp"
 #include "../format/kv_view.hpp"
 #include "../model_shape.hpp"
 #include "capabilities.hpp"
@@ -77,6 +80,9 @@ template <class SeqSet>
 
 /// K/V buffers for all layers, arranged as described at the top of this file.
 /// Allocated once at construction, zero-initialised (F2), never reallocated.
+/// Block elements (block_size 32, e.g. q8_0): one storage unit per 32 values of one cell
+/// (format/kv_view.hpp, "Block elements"); the constructor throws
+/// kvcache::error(invalid_config) unless head_dim_k and head_dim_v are multiples of 32.
 template <class Element, v_layout VLayout>
 class tiled_kv_storage {
 public:
@@ -87,19 +93,20 @@ public:
     static constexpr layout_caps capabilities = layout_caps::none;
 
     explicit tiled_kv_storage(const model_shape& s)
-        : n_layer_(s.n_layer),
+        : n_layer_(checked_block_dims(s).n_layer),
           n_head_kv_(s.n_head_kv),
           dim_k_(s.dim_k()),
           dim_v_(s.dim_v()),
           neox_rot_(s.rope.type == rope_type::neox ? s.n_rot() : 0),
           n_cells_pad_((s.n_cells + k_tile - 1) / k_tile * k_tile),
-          k_head_stride_(std::size_t{n_cells_pad_} * dim_k_),
-          v_head_stride_(std::size_t{n_cells_pad_} * dim_v_),
+          k_head_stride_(std::size_t{n_cells_pad_} * (dim_k_ >> lg)),
+          v_head_stride_(std::size_t{n_cells_pad_} * (dim_v_ >> lg)),
           k_layer_stride_(k_head_stride_ * n_head_kv_),
           v_layer_stride_(v_head_stride_ * n_head_kv_),
           k_(detail::make_zeroed<storage_type>(k_layer_stride_ * n_layer_)),
           v_(detail::make_zeroed<storage_type>(v_layer_stride_ * n_layer_)),
-          scratch_(std::max(dim_k_, dim_v_)) {}
+          scratch_(is_block_element<Element> ? 0 : std::max(dim_k_, dim_v_)),
+          fscratch_(is_block_element<Element> ? dim_k_ : 0) {}
 
     /// Bytes reserved for K and V of all layers.
     [[nodiscard]] std::size_t bytes() const noexcept {
@@ -109,16 +116,24 @@ public:
 
     [[nodiscard]] kv_layer_view<storage_type> view(std::uint32_t layer) noexcept {
         return {k_.get() + layer * k_layer_stride_, v_.get() + layer * v_layer_stride_, n_head_kv_, dim_k_, dim_v_,
-                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout, neox_rot_};
+                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout, neox_rot_, lg};
     }
     [[nodiscard]] kv_layer_view<const storage_type> view(std::uint32_t layer) const noexcept {
         return {k_.get() + layer * k_layer_stride_, v_.get() + layer * v_layer_stride_, n_head_kv_, dim_k_, dim_v_,
-                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout, neox_rot_};
+                n_cells_pad_, k_head_stride_, v_head_stride_, VLayout, neox_rot_, lg};
     }
 
     /// Writes one cell's K row (n_head_kv x dim_k floats, head-major) into layer `layer`.
     void write_k(std::uint32_t layer, std::uint32_t cell, const float* row) {
         const auto v = view(layer);
+        if constexpr (is_block_element<Element>) {  // rows in pair order, quantized 32 at a time
+            for (std::uint32_t h = 0; h < n_head_kv_; ++h) {
+                for (std::uint32_t d = 0; d < dim_k_; ++d) fscratch_[v.k_row(d)] = row[std::size_t{h} * dim_k_ + d];
+                for (std::uint32_t u = 0; u < v.k_units(); ++u)
+                    Element::from_float(fscratch_.data() + std::size_t{u} * block, v.k + v.k_unit(h, cell, u), block);
+            }
+            return;
+        }
         for (std::uint32_t h = 0; h < n_head_kv_; ++h) {
             Element::from_float(row + std::size_t{h} * dim_k_, scratch_.data(), dim_k_);
             for (std::uint32_t d = 0; d < dim_k_; ++d) v.k[v.k_offset(h, cell, d)] = scratch_[d];
@@ -132,6 +147,10 @@ public:
                 for (std::uint32_t d0 = 0; d0 < dim_v_; d0 += v_block)  // one piece per V block
                     Element::from_float(row + std::size_t{h} * dim_v_ + d0, v.v + v.v_offset(h, cell, d0),
                                         std::min(v_block, dim_v_ - d0));
+            } else if constexpr (is_block_element<Element>) {
+                for (std::uint32_t u = 0; u < v.v_units(); ++u)
+                    Element::from_float(row + std::size_t{h} * dim_v_ + std::size_t{u} * block, v.v + v.v_unit(h, cell, u),
+                                        block);
             } else {
                 Element::from_float(row + std::size_t{h} * dim_v_, scratch_.data(), dim_v_);
                 for (std::uint32_t d = 0; d < dim_v_; ++d) v.v[v.v_offset(h, cell, d)] = scratch_[d];
@@ -141,6 +160,15 @@ public:
     /// Reads one cell's K row back as floats.
     void read_k(std::uint32_t layer, std::uint32_t cell, float* row) const {
         const auto v = view(layer);
+        if constexpr (is_block_element<Element>) {
+            float tmp[block];
+            for (std::uint32_t h = 0; h < n_head_kv_; ++h)
+                for (std::uint32_t d = 0; d < dim_k_; ++d) {
+                    Element::to_float(v.k + v.k_offset(h, cell, d), tmp, block);
+                    row[std::size_t{h} * dim_k_ + d] = tmp[v.k_row(d) % block];
+                }
+            return;
+        }
         for (std::uint32_t h = 0; h < n_head_kv_; ++h)
             for (std::uint32_t d = 0; d < dim_k_; ++d)
                 Element::to_float(v.k + v.k_offset(h, cell, d), row + std::size_t{h} * dim_k_ + d, 1);
@@ -148,6 +176,13 @@ public:
     /// Reads one cell's V row back as floats.
     void read_v(std::uint32_t layer, std::uint32_t cell, float* row) const {
         const auto v = view(layer);
+        if constexpr (is_block_element<Element>) {
+            for (std::uint32_t h = 0; h < n_head_kv_; ++h)
+                for (std::uint32_t u = 0; u < v.v_units(); ++u)
+                    Element::to_float(v.v + v.v_unit(h, cell, u), row + std::size_t{h} * dim_v_ + std::size_t{u} * block,
+                                      block);
+            return;
+        }
         for (std::uint32_t h = 0; h < n_head_kv_; ++h)
             for (std::uint32_t d = 0; d < dim_v_; ++d)
                 Element::to_float(v.v + v.v_offset(h, cell, d), row + std::size_t{h} * dim_v_ + d, 1);
@@ -158,14 +193,23 @@ public:
         for (std::uint32_t l = 0; l < n_layer_; ++l) {
             const auto v = view(l);
             for (std::uint32_t h = 0; h < n_head_kv_; ++h) {
-                for (std::uint32_t d = 0; d < dim_k_; ++d) v.k[v.k_offset(h, dst, d)] = v.k[v.k_offset(h, src, d)];
-                for (std::uint32_t d = 0; d < dim_v_; ++d) v.v[v.v_offset(h, dst, d)] = v.v[v.v_offset(h, src, d)];
+                for (std::uint32_t u = 0; u < v.k_units(); ++u) v.k[v.k_unit(h, dst, u)] = v.k[v.k_unit(h, src, u)];
+                for (std::uint32_t u = 0; u < v.v_units(); ++u) v.v[v.v_unit(h, dst, u)] = v.v[v.v_unit(h, src, u)];
             }
         }
     }
-    /// Raw bytes of one cell's K (or V) in one layer, in (head, d) order, for comparisons.
+    /// Raw bytes of one cell's K (or V) in one layer, in (head, d) order, for comparisons
+    /// (block elements: in (head, unit) order, units in row order).
     void cell_bytes(std::uint32_t layer, std::uint32_t cell, bool is_v, std::vector<storage_type>& out) const {
         const auto v = view(layer);
+        if constexpr (is_block_element<Element>) {
+            const std::uint32_t units = is_v ? v.v_units() : v.k_units();
+            out.resize(std::size_t{n_head_kv_} * units);
+            for (std::uint32_t h = 0; h < n_head_kv_; ++h)
+                for (std::uint32_t u = 0; u < units; ++u)
+                    out[std::size_t{h} * units + u] = is_v ? v.v[v.v_unit(h, cell, u)] : v.k[v.k_unit(h, cell, u)];
+            return;
+        }
         const std::uint32_t dim = is_v ? dim_v_ : dim_k_;
         out.resize(std::size_t{n_head_kv_} * dim);
         for (std::uint32_t h = 0; h < n_head_kv_; ++h)
@@ -174,6 +218,20 @@ public:
     }
 
 private:
+    static constexpr std::uint32_t lg = block_log2<Element>;  // kv_layer_view::block_log2
+    static constexpr std::uint32_t block = element_block_size_v<Element>;
+    static const model_shape& checked_block_dims(const model_shape& s) {
+        if constexpr (is_block_element<Element>) {
+            auto bad = [](const char* name, std::uint32_t value) {
+                detail::fail(errc::invalid_config, std::string("model_shape.") + name + " = " + std::to_string(value) +
+                                                       ": element " + std::string(Element::name) +
+                                                       " stores blocks of 32 values, needs a multiple of 32");
+            };
+            if (s.dim_k() % block != 0) bad("head_dim_k", s.dim_k());
+            if (s.dim_v() % block != 0) bad("head_dim_v", s.dim_v());
+        }
+        return s;
+    }
     std::uint32_t n_layer_, n_head_kv_, dim_k_, dim_v_;
     std::uint32_t neox_rot_;     // kv_layer_view::neox_rot
     std::uint32_t n_cells_pad_;  // cells allocated: n_cells rounded up to k_tile
@@ -181,6 +239,7 @@ private:
     std::unique_ptr<storage_type[], detail::aligned_delete> k_;  // invariant: never reallocated
     std::unique_ptr<storage_type[], detail::aligned_delete> v_;
     std::vector<storage_type> scratch_;  // one head row, for strided writes
+    std::vector<float> fscratch_;        // block elements: one head's K row in pair order
 };
 
 KVCACHE_END_NAMESPACE

@@ -106,7 +106,7 @@ public:
     static_assert(detail::check_element<element>(),  // (one static_assert per member inside)
                   "kvcache: the element policy does not satisfy kvcache::element_policy (see kvcache/concepts.hpp)");
     static_assert(detail::check_tiled_element<element>(),
-                  "kvcache: block elements are not supported by the tiled layouts yet");
+                  "kvcache: the tiled layouts store elements of block_size 1 or 32 only");
     static_assert(layout_policy<layout>,
                   "kvcache: the layout policy does not satisfy kvcache::layout_policy (see kvcache/concepts.hpp)");
     static_assert(requires { typename layout::template storage<element>; },
@@ -165,7 +165,7 @@ public:
     [[nodiscard]] std::uint32_t used() const noexcept { return cells_.used(); }
     /// Bytes one token occupies in all layers (K and V).
     [[nodiscard]] std::size_t bytes_per_token() const noexcept {
-        return shape_.bytes_per_token(sizeof(storage_type));
+        return values_bytes<element>(shape_.bytes_per_token(1));  // (1: the value count)
     }
     /// Bytes of every K/V buffer (including tile padding).
     [[nodiscard]] std::size_t total_bytes() const noexcept { return storage_.bytes(); }
@@ -788,7 +788,7 @@ private:
     /// K and V bytes of one cell, every layer (a cell's state at the start of a transaction).
     struct cell_backup {
         std::uint32_t cell = 0;
-        std::vector<storage_type> bytes;  // per layer: K (head, d), then V (head, d)
+        std::vector<storage_type> bytes;  // per layer: K (head, storage unit), then V (head, storage unit)
     };
     void backup_if_held_at_tx_start(std::uint32_t c) {
         if (!tx_cp_.cells || tx_cp_.cells->is_free(c)) return;
@@ -796,13 +796,13 @@ private:
             if (b.cell == c) return;  // the first copy is the transaction's start
         cell_backup b;
         b.cell = c;
-        b.bytes.reserve(std::size_t{shape_.n_layer} * shape_.n_head_kv * (shape_.head_dim_k + shape_.dim_v()));
         for (std::uint32_t l = 0; l < shape_.n_layer; ++l) {
             const auto v = storage_.view(l);
+            if (l == 0) b.bytes.reserve(std::size_t{shape_.n_layer} * shape_.n_head_kv * (v.k_units() + v.v_units()));
             for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
-                for (std::uint32_t d = 0; d < shape_.head_dim_k; ++d) b.bytes.push_back(v.k[v.k_offset(h, c, d)]);
+                for (std::uint32_t u = 0; u < v.k_units(); ++u) b.bytes.push_back(v.k[v.k_unit(h, c, u)]);
             for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
-                for (std::uint32_t d = 0; d < shape_.dim_v(); ++d) b.bytes.push_back(v.v[v.v_offset(h, c, d)]);
+                for (std::uint32_t u = 0; u < v.v_units(); ++u) b.bytes.push_back(v.v[v.v_unit(h, c, u)]);
         }
         tx_backup_.push_back(std::move(b));
     }
@@ -811,9 +811,9 @@ private:
         for (std::uint32_t l = 0; l < shape_.n_layer; ++l) {
             const auto v = storage_.view(l);
             for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
-                for (std::uint32_t d = 0; d < shape_.head_dim_k; ++d) v.k[v.k_offset(h, b.cell, d)] = b.bytes[i++];
+                for (std::uint32_t u = 0; u < v.k_units(); ++u) v.k[v.k_unit(h, b.cell, u)] = b.bytes[i++];
             for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
-                for (std::uint32_t d = 0; d < shape_.dim_v(); ++d) v.v[v.v_offset(h, b.cell, d)] = b.bytes[i++];
+                for (std::uint32_t u = 0; u < v.v_units(); ++u) v.v[v.v_unit(h, b.cell, u)] = b.bytes[i++];
         }
     }
 

@@ -509,7 +509,7 @@ attention_plan<Cache>::attention_plan(const Cache& cache, std::uint32_t layer, c
         for (std::size_t i = 0; i < sg.n_rg; ++i) total_tiles += sg.rg[i].t1 - sg.rg[i].t0;
     }
     {
-        const std::size_t kv_bytes = total_tiles * k_tile * hkv * (dk + dv) * sizeof(T);
+        const std::size_t kv_bytes = total_tiles * k_tile * hkv * values_bytes<element>(dk + dv);
         const prefetch_mode pm = detail_attn::resolve_prefetch(p.prefetch, max_m, kv_bytes);
         sh.burst_prefetch = pm == prefetch_mode::burst;
         sh.interleaved_prefetch = pm == prefetch_mode::interleaved;

@@ -120,28 +120,29 @@ defrag_result defrag(Cache& cache, const defrag_params& p = {}) {
                     const std::uint32_t src = r.src + i, dst = r.dst + i;
                     if (src % k_tile == 0 && dst % k_tile == 0 && r.len - i >= k_tile) {  // whole tiles
                         std::memcpy(v.k + v.k_offset(h, dst, 0), v.k + v.k_offset(h, src, 0),
-                                    sizeof(T) * k_tile * v.dim_k);
+                                    sizeof(T) * k_tile * v.k_units());
                         if (v_rows)
                             std::memcpy(v.v + v.v_offset(h, dst, 0), v.v + v.v_offset(h, src, 0),
-                                        sizeof(T) * k_tile * v.dim_v);
+                                        sizeof(T) * k_tile * v.v_units());
                         i += k_tile;
                         continue;
                     }
                     // Otherwise pieces: the longest stretch that stays inside both tiles
                     // (source and destination cells are distinct, so the pieces never
-                    // overlap): one per K row, and one per V block ([cells][block width]).
+                    // overlap): one per K row (unit row for block elements), and one per V
+                    // block ([cells][block width]).
                     const std::uint32_t seg = std::min({r.len - i, k_tile - src % k_tile, k_tile - dst % k_tile});
-                    for (std::uint32_t d = 0; d < v.dim_k; ++d)
-                        std::memcpy(v.k + v.k_offset(h, dst, d), v.k + v.k_offset(h, src, d), sizeof(T) * seg);
+                    for (std::uint32_t u = 0; u < v.k_units(); ++u)
+                        std::memcpy(v.k + v.k_unit(h, dst, u), v.k + v.k_unit(h, src, u), sizeof(T) * seg);
                     if (v_rows)
                         for (std::uint32_t d0 = 0; d0 < v.dim_v; d0 += v_block)
                             std::memcpy(v.v + v.v_offset(h, dst, d0), v.v + v.v_offset(h, src, d0),
-                                        sizeof(T) * seg * std::min(v_block, v.dim_v - d0));
+                                        sizeof(T) * seg * (std::min(v_block, v.dim_v - d0) >> v.block_log2));
                     i += seg;
                 }
                 if (!v_rows)
-                    for (std::uint32_t d = 0; d < v.dim_v; ++d)
-                        std::memcpy(v.v + v.v_offset(h, r.dst, d), v.v + v.v_offset(h, r.src, d), sizeof(T) * r.len);
+                    for (std::uint32_t u = 0; u < v.v_units(); ++u)
+                        std::memcpy(v.v + v.v_unit(h, r.dst, u), v.v + v.v_unit(h, r.src, u), sizeof(T) * r.len);
             }
     }
     // Metadata: each destination takes its source's exact state. K/V was copied into free

@@ -179,12 +179,12 @@ struct units {
         // it runs 5-7% faster without. A burst of prefetches per tile did no better
         // and swung by 2x with its loop's alignment.
         const char* ahead = prefetch && u + 2 < n_units ? reinterpret_cast<const char*>(tile_ptr(u + 2)) : nullptr;
-        if (path == kernel_path::simd) {
+        if (path == kernel_path::simd || kvcache::is_block_element<element>) {  // (blocks: one path)
             if constexpr (kvcache::detail::has_simd_storage<element>)
                 kernels::rotate_tile(tile, pl.n_rot, rot, ct, st, ahead);
             else  // generic path: row pairs converted through element::to_float / from_float
                 kernels::rotate_tile_converted<element>(tile, pl.n_rot, rot, ct, st);
-        } else {
+        } else if constexpr (!kvcache::is_block_element<element>) {
             kernels::rotate_tile_scalar(
                 tile, pl.n_rot, rot, ct, st,
                 [](storage_type x) {

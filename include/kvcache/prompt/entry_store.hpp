@@ -107,8 +107,9 @@ public:
     static constexpr bool copyable_handles = true;
     /// Saved cells: positions and pending K-shift deltas in save order i, then per layer the
     /// K/V elements in the cache's own arrangement restricted to those cells: K as
-    /// [head][d][i], V as [head][i][d] (row-major V) or [head][d][i] (transposed V), so runs
-    /// of consecutive cells move with memcpy.
+    /// [head][row][i], V as [head][i][d] (row-major V) or [head][d][i] (transposed V), so runs
+    /// of consecutive cells move with memcpy (block elements: storage units in place of
+    /// rows and dimensions, format/kv_view.hpp "Block elements").
     struct handle {
         std::vector<pos_t> pos;
         std::vector<std::int32_t> shift;
@@ -120,7 +121,7 @@ public:
     result<handle> save(Cache& cache, seq_id_t seq) {
         const auto cells = detail::seq_cells_by_pos(cache, seq);
         const model_shape& sh = cache.shape();
-        const std::size_t row = sh.k_row_size() + sh.v_row_size();
+        const std::size_t row = units_per_row(sh);
         handle h;
         h.pos.reserve(cells.size());
         h.shift.reserve(cells.size());
@@ -153,7 +154,7 @@ public:
             return detail::make_error(errc::invalid_argument,
                                       "copy_store::load: destination sequence " + std::to_string(dst) + " is not empty");
         const model_shape& sh = cache.shape();
-        const std::size_t row = sh.k_row_size() + sh.v_row_size();
+        const std::size_t row = units_per_row(sh);
         if (h.data.size() != row * h.pos.size() * sh.n_layer || h.shift.size() != h.pos.size() ||
             h.ext.size() != (sh.rope.mrope.on() ? h.pos.size() : 0))
             return detail::make_error(errc::shape_mismatch, "copy_store::load: entry holds " +
@@ -196,6 +197,10 @@ public:
     }
 
 private:
+    /// Storage units of one cell's K and V row in one layer (values / block size).
+    static std::size_t units_per_row(const model_shape& sh) noexcept {
+        return (sh.k_row_size() + sh.v_row_size()) / element_block_size_v<typename Cache::element>;
+    }
     /// Elements below which save/load stay on one thread (OpenMP start-up costs more).
     static constexpr std::size_t parallel_min = std::size_t{1} << 18;
 
@@ -212,7 +217,8 @@ private:
                 std::memcpy(cache_ptr, buf_ptr, count * sizeof(storage_type));
         };
         Buf* kbuf = buf;
-        Buf* vbuf = buf + n * v.n_head_kv * v.dim_k;
+        const std::uint32_t ku = v.k_units(), vu = v.v_units(), lg = v.block_log2;  // (block elements: units)
+        Buf* vbuf = buf + n * v.n_head_kv * ku;
         for (std::size_t i0 = 0; i0 < n;) {
             std::size_t len = 1;  // run of consecutive cells starting at save index i0
             while (i0 + len < n && cells[i0 + len] == cells[i0] + len) ++len;
@@ -222,19 +228,19 @@ private:
                 for (std::size_t done = 0; done < len;) {
                     const auto c = static_cast<std::uint32_t>(cells[i0] + done);
                     const std::size_t seg = std::min<std::size_t>(len - done, k_tile - c % k_tile);
-                    for (std::uint32_t d = 0; d < v.dim_k; ++d)
-                        copy(v.k + v.k_offset(h, c, d), kbuf + (std::size_t{h} * v.dim_k + d) * n + i0 + done, seg);
+                    for (std::uint32_t u = 0; u < ku; ++u)
+                        copy(v.k + v.k_unit(h, c, u), kbuf + (std::size_t{h} * ku + u) * n + i0 + done, seg);
                     if (v.vl == v_layout::row_major)
                         for (std::uint32_t d0 = 0; d0 < v.dim_v; d0 += v_block) {
-                            const std::size_t w = std::min(v_block, v.dim_v - d0);
+                            const std::size_t w = std::min(v_block, v.dim_v - d0) >> lg;
                             copy(v.v + v.v_offset(h, c, d0),
-                                 vbuf + std::size_t{h} * n * v.dim_v + std::size_t{d0} * n + (i0 + done) * w, seg * w);
+                                 vbuf + std::size_t{h} * n * vu + std::size_t{d0 >> lg} * n + (i0 + done) * w, seg * w);
                         }
                     done += seg;
                 }
                 if (v.vl != v_layout::row_major)
-                    for (std::uint32_t d = 0; d < v.dim_v; ++d)
-                        copy(v.v + v.v_offset(h, cells[i0], d), vbuf + (std::size_t{h} * v.dim_v + d) * n + i0, len);
+                    for (std::uint32_t u = 0; u < vu; ++u)
+                        copy(v.v + v.v_unit(h, cells[i0], u), vbuf + (std::size_t{h} * vu + u) * n + i0, len);
             }
             i0 += len;
         }
