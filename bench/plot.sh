@@ -1,8 +1,9 @@
 #!/bin/sh
 # Turns kvcache_bench JSON output into (1) a plot of bw_frac versus cached tokens for
-# attn_decode, one line per element type and thread count, and (2) the markdown table
-# of every kernel benchmark that bench/README.md shows (medians when the JSON holds
-# repetition aggregates, plain runs otherwise).
+# attn_decode, one line per element type and thread count, (2) when the JSON holds the
+# serving-shaped rows, a bar plot of their vs_separate (<plot>_serving.<ext>), and (3)
+# the markdown table of every kernel benchmark that bench/README.md shows (medians when
+# the JSON holds repetition aggregates, plain runs otherwise).
 #
 # usage: bench/plot.sh results.json [plot.png|plot.svg] > table.md
 # needs: jq and gnuplot (Debian: apt-get install jq gnuplot-nox)
@@ -18,7 +19,8 @@ jq -r '
   (.benchmarks | map(select(.aggregate_name == "median")) | length) as $nmed
   | .benchmarks | sort_by(.run_name // .name) | .[]
   | select(if $nmed > 0 then .aggregate_name == "median" else .run_type == "iteration" end)
-  | [(.run_name // .name), (.bw_frac // ""), (.peak_frac // ""), (.bytes_per_second // ""), (.["FLOP/s"] // ""), .real_time, .time_unit]
+  | [(.run_name // .name), (.bw_frac // ""), (.peak_frac // ""), (.bytes_per_second // ""), (.["FLOP/s"] // ""), .real_time, .time_unit,
+     (.vs_separate // ""), (.det_cost // ""), (.attn_tok_s_32l // "")]
   | @tsv' "$json" > "$tmp/rows.tsv"
 
 # Plot data: attn_decode/<type>/n_kv:<n>/threads:<t> (the plain GQA case only).
@@ -45,13 +47,34 @@ if [ -s "$tmp/decode.dat" ]; then
   echo "plot: $plot" >&2
 fi
 
-# Markdown table.
-echo "| benchmark | bw_frac | peak_frac | GB/s | GFLOP/s | time |"
-echo "|---|---|---|---|---|---|"
+# Second plot: the serving-shaped rows (many sequences, shared prefixes, mixed calls), one
+# bar per row: vs_separate = time of one call per sequence / time of the one call.
+awk -F'\t' '$8 != "" { name = $1; sub("/real_time$", "", name); gsub("_", "-", name); print "\"" name "\" " $8 }' \
+  "$tmp/rows.tsv" > "$tmp/serving.dat"
+if [ -s "$tmp/serving.dat" ]; then
+  splot="${plot%.*}_serving.${plot##*.}"
+  case "$splot" in
+    *.svg) term="svg size 900,500" ;;
+    *) term="pngcairo size 900,500" ;;
+  esac
+  gnuplot -e "set terminal $term noenhanced; set output '$splot'; set style data histograms; set style fill solid 0.6;
+    set boxwidth 0.8; set xtics rotate by -35 font ',8'; set ylabel 'vs_separate (separate calls / one call)';
+    set yrange [0:*]; set grid y; set key off; set arrow from graph 0, first 1 to graph 1, first 1 nohead dt 2;
+    set title 'serving-shaped attention rows (target >= 1)'; plot '$tmp/serving.dat' using 2:xtic(1)" &&
+    echo "plot: $splot" >&2
+fi
+
+# Markdown table (vs_separate, det_cost and attention-only tokens/s of a 32-layer model
+# where the row has them).
+echo "| benchmark | bw_frac | peak_frac | GB/s | GFLOP/s | time | vs_separate | det_cost | attn tok/s (32 layers) |"
+echo "|---|---|---|---|---|---|---|---|---|"
 awk -F'\t' '{
     bw = ($2 == "") ? "" : sprintf("%.2f", $2);
     pk = ($3 == "") ? "" : sprintf("%.2f", $3);
     gb = ($4 == "") ? "" : sprintf("%.1f", $4 / 1e9);
     gf = ($5 == "") ? "" : sprintf("%.1f", $5 / 1e9);
+    vs = ($8 == "") ? "" : sprintf("%.2f", $8);
+    dc = ($9 == "") ? "" : sprintf("%.3f", $9);
+    tk = ($10 == "") ? "" : sprintf("%.0f", $10);
     name = $1; sub("/real_time$", "", name);
-    printf "| %s | %s | %s | %s | %s | %.3g %s |\n", name, bw, pk, gb, gf, $6, $7 }' "$tmp/rows.tsv"
+    printf "| %s | %s | %s | %s | %s | %.3g %s | %s | %s | %s |\n", name, bw, pk, gb, gf, $6, $7, vs, dc, tk }' "$tmp/rows.tsv"
