@@ -607,8 +607,8 @@ void attn_decode_shared(benchmark::State& state, std::uint32_t n_seq, std::uint3
 
 // The cost of deterministic mode (issue 26, item 6): one decode row of one sequence,
 // each iteration running the call once with p.deterministic = true (timed) and once with
-// false (timed on its own), on the same cache and layer, so both see the same machine
-// state. Counter det_cost: deterministic seconds / non-deterministic seconds (1.0: free).
+// false (timed on its own), on the same cache, one after the other in alternating order,
+// so both see the same machine state. Counter det_cost: deterministic seconds / non-deterministic seconds (1.0: free).
 // The two modes differ in the split-K rule (deterministic: parts of >= 4096 cells, a
 // function of the cells; otherwise: parts chosen for the threads) and in how a small slot
 // group sums its scores; bw_frac is the deterministic run's.
@@ -634,16 +634,35 @@ void attn_decode_det(benchmark::State& state, std::uint32_t n_kv, int threads) {
     kernel_timer timer, free_timer;
     kb::paired_yardstick yard(kb::yardstick_kind::read, threads);
     const double bytes = static_cast<double>(layer_bytes);
-    for (auto _ : state) {
-        timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, det, out.data(), ws); });
-        state.PauseTiming();
+    // Each call reads a layer the other did not just read (the next one; the cache holds
+    // enough layers that none is still in L3), and the two alternate which goes first.
+    auto next = [&] { layer = layer + 1 == n_layer ? 0 : layer + 1; };
+    auto run_det = [&] { timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, det, out.data(), ws); }); };
+    auto run_free = [&] {
         free_timer.run([&] { kvcache::ops::attention(*cache, layer, q.data(), &qp, &qs, 1, free_p, out_free.data(), ws_free); });
+    };
+    bool det_first = true;
+    for (auto _ : state) {
+        if (det_first) {
+            run_det();
+            state.PauseTiming();
+            next();
+            run_free();
+        } else {
+            state.PauseTiming();
+            run_free();
+            next();
+            state.ResumeTiming();
+            run_det();
+            state.PauseTiming();
+        }
         benchmark::DoNotOptimize(out_free.data());
         yard.add(bytes);
         state.ResumeTiming();
+        det_first = !det_first;
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
-        layer = layer + 1 == n_layer ? 0 : layer + 1;
+        next();
     }
     report(state, timer, bytes, 0.0, 2.0 * n_kv * n_head * head_dim, yard.rate(), 0.0, threads);
     state.counters["det_cost"] = timer.total / (free_timer.total > 0.0 ? free_timer.total : 1e-30);
