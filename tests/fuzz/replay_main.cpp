@@ -3,12 +3,12 @@
 // Built with the project's compiler, so it runs in every CI build, sanitizers included.
 #include <cstdio>
 
-#include "fuzz_harness.hpp"
+#include "fuzz_harness_rec.hpp"
 #include "replay_dirs.hpp"
 
 int main(int argc, char** argv) {
     const long n = kvfuzz_replay::replay_dirs(argc, argv, {KVFUZZ_DIR "/corpus", KVFUZZ_DIR "/regressions"},
-                                              "test_fuzz_replay", kvfuzz::run_one);
+                                              "test_fuzz_replay", kvfuzz::run_one_all);
     if (n < 0) return 1;
     std::printf("test_fuzz_replay: %ld inputs, no finding\n", n);
     return n > 0 ? 0 : 1;
