@@ -8,7 +8,8 @@
 // sequence, else with load_state. After every load:
 //   - refused: every sequence's interval and state bytes (and for a hybrid memory the
 //     attention part's saved bytes) must be exactly what they were before;
-//   - accepted: save -> load into a twin -> save must give the same bytes and the same
+//   - accepted: both parts of a hybrid memory hold the same positions (per sequence the
+//     same last position, the attention part no earlier first one); save -> load into a twin -> save must give the same bytes and the same
 //     memory; and the memory must hold what the input means: a recurrent state saved
 //     again with its prompt gives the input back byte for byte (one sequence: relabelled
 //     with its saved sequence id), a hybrid memory equals a standalone attention cache
@@ -205,6 +206,17 @@ struct rec_hybrid_target {
         if (!r) {
             if (rec_picture(*mem) != picture) die("hybrid", "refused load changed the memory", r.message());
             return;
+        }
+        // Both parts hold the same positions: per sequence the same last position (and so
+        // the same emptiness), the attention part no earlier first position.
+        for (kvcache::seq_id_t s = 0; s < static_cast<kvcache::seq_id_t>(mem->n_seq_max()); ++s) {
+            const auto& at = mem->attention();
+            const auto& rc = mem->recurrent();
+            if (at.seq_pos_max(s) != rc.seq_pos_max(s) || at.seq_pos_min(s) < rc.seq_pos_min(s))
+                die("hybrid", "an accepted state's parts hold different positions",
+                    "sequence " + std::to_string(s) + ": attention [" + std::to_string(at.seq_pos_min(s)) + ", " +
+                        std::to_string(at.seq_pos_max(s)) + "], recurrent [" + std::to_string(rc.seq_pos_min(s)) +
+                        ", " + std::to_string(rc.seq_pos_max(s)) + "]");
         }
         const auto& info = r.value();
         const auto saved = io::save_state(*mem, info.tokens, info.media);
