@@ -36,6 +36,10 @@
 
 namespace kvfuzz {
 
+/// Inputs each target accepted so far (test_fuzz_replay checks that the seeds reach the
+/// accepted path of both): [0] recurrent, [1] hybrid.
+inline long rec_accepted[2] = {0, 0};
+
 using rec_attention_t = kvcache::kv_cache<kvcache::f16>;
 using rec_hybrid_t = kvcache::hybrid_memory<rec_attention_t>;
 
@@ -162,6 +166,7 @@ struct rec_target {
             if (rec_picture(mem) != picture) die("recurrent", "refused load changed the memory", r.message());
             return;
         }
+        ++rec_accepted[0];
         const auto saved = io::save_state(mem);
         if (auto again = io::load_state(twin, saved); !again)
             die("recurrent", "a state saved after a load does not load", again.message());
@@ -207,6 +212,7 @@ struct rec_hybrid_target {
             if (rec_picture(*mem) != picture) die("hybrid", "refused load changed the memory", r.message());
             return;
         }
+        ++rec_accepted[1];
         // Both parts hold the same positions: per sequence the same last position (and so
         // the same emptiness), the attention part no earlier first position.
         for (kvcache::seq_id_t s = 0; s < static_cast<kvcache::seq_id_t>(mem->n_seq_max()); ++s) {
