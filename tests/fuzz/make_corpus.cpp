@@ -1,14 +1,17 @@
 // Writes the seed corpus: valid states of both fuzz shapes (whole cache and one
 // sequence, with and without tokens/media, shared cells, pending shifts, duplicate
-// positions from seq_div, a ring's pruning points). Usage: make_corpus <output dir>.
+// positions from seq_div, a ring's pruning points), and of the state memories (recurrent
+// "KVRS" and hybrid "KVHY" states: whole memory, one sequence, empty, with a prompt, and
+// truncated copies). Usage: make_corpus <output dir>.
 // The files in corpus/ were made with it; run it again after a format change.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
-#include "fuzz_harness.hpp"
+#include "fuzz_harness_rec.hpp"
 
 namespace {
 
@@ -61,6 +64,31 @@ int main(int argc, char** argv) {
     write(dir, "ring_pruned_whole", kvcache::io::save_state(r, tokens, media));
     write(dir, "ring_pruned_seq0", kvcache::io::save_seq(r, 0));
 #endif
+
+    // Recurrent and hybrid states (fuzz_harness_rec.hpp routes them by their magic).
+    auto cut = [](std::vector<std::byte> b, std::size_t n) {
+        b.resize(std::min(b.size(), n));
+        return b;
+    };
+    kvcache::recurrent_memory rec(kvfuzz::rec_shape());
+    write(dir, "rec_empty_whole", kvcache::io::save_state(rec));
+    kvfuzz::rec_fill_baseline(rec);
+    write(dir, "rec_whole", kvcache::io::save_state(rec));
+    write(dir, "rec_whole_tokens", kvcache::io::save_state(rec, tokens));
+    write(dir, "rec_seq2_tokens", kvcache::io::save_seq(rec, 2, tokens));
+    write(dir, "rec_seq3_empty", kvcache::io::save_seq(rec, 3));
+    write(dir, "rec_whole_truncated", cut(kvcache::io::save_state(rec), 200));
+    write(dir, "rec_seq0_truncated", cut(kvcache::io::save_seq(rec, 0), 60));
+    kvfuzz::rec_hybrid_t hyb(kvfuzz::shape_a(), kvfuzz::rec_shape(), kvfuzz::rec_hybrid_layers());
+    kvfuzz::rec_fill_baseline(hyb);
+    const auto hyb_whole = kvcache::io::save_state(hyb, tokens, media);
+    write(dir, "hyb_whole_tokens", hyb_whole);
+    write(dir, "hyb_seq0_tokens", kvcache::io::save_seq(hyb, 0, tokens, media));
+    write(dir, "hyb_seq2", kvcache::io::save_seq(hyb, 2));
+    write(dir, "hyb_whole_truncated", cut(hyb_whole, hyb_whole.size() / 2));
+    hyb.seq_rm(-1, -1, -1).value();
+    write(dir, "hyb_empty_whole", kvcache::io::save_state(hyb));
+
     std::printf("make_corpus: wrote %s\n", dir.c_str());
     return 0;
 }

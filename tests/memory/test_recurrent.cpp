@@ -1062,3 +1062,80 @@ TEST_CASE("ops on recurrent and hybrid memories: memory report, the attention pa
     CHECK(kvtest::snapshot(h.attention()) == kvtest::snapshot(a));
     CHECK(h.recurrent().seq_pos_min(0) == 7);
 }
+
+TEST_CASE("hybrid state files: parts that hold different positions are refused, both parts unchanged") {
+    // Found by the state fuzzer (tests/fuzz/regressions/hybrid_parts_disagree_on_positions):
+    // a hybrid state whose attention and recurrent parts were each valid but disagreed was
+    // accepted, and the memory's two parts then held different positions.
+    const recurrent_shape rsh = rec_test_shape(2);
+    auto filled = [&](pos_t last0) {
+        rec_hyb x(rec_hyb_attn_shape(2, 12), rsh, rec_hyb_layers);
+        std::vector<pos_t> pos = {4, 5};
+        std::vector<seq_id_t> sq = {1, 1};
+        for (pos_t q = 0; q <= last0; ++q) {
+            pos.push_back(q);
+            sq.push_back(0);
+        }
+        REQUIRE(x.place(pos, sq));
+        x.ssm_state(1, 0)[0] = static_cast<float>(last0);
+        REQUIRE(x.commit() == tx_result::committed);
+        return x;
+    };
+    const rec_hyb h = filled(2), longer = filled(3);
+    const rec_hyb empty(rec_hyb_attn_shape(2, 12), rsh, rec_hyb_layers);
+    using io::detail::write_hybrid;
+    rec_hyb target = filled(2);
+    REQUIRE(target.seq_rm(1, -1, -1));
+    const auto t_attn = kvtest::snapshot(target.attention());
+    const auto t_rec = io::save_state(target.recurrent());
+    auto unchanged = [&] {
+        CHECK(kvtest::snapshot(target.attention()) == t_attn);
+        CHECK(io::save_state(target.recurrent()) == t_rec);
+    };
+    const auto whole = io::state_kind::whole_cache, one = io::state_kind::one_sequence;
+    CHECK(kvtest::refused_with(
+        io::load_state(target, write_hybrid(h, whole, io::save_state(h.attention()), io::save_state(longer.recurrent()))),
+        errc::invalid_cell, "sequence 0 holds positions [0, 2] in the attention part but [0, 3] in the recurrent part"));
+    unchanged();
+    CHECK(kvtest::refused_with(
+        io::load_state(target, write_hybrid(h, whole, io::save_state(h.attention()), io::save_state(empty.recurrent()))),
+        errc::invalid_cell, "[0, 2] in the attention part but none"));
+    unchanged();
+    CHECK(kvtest::refused_with(io::load_seq(target, 1, write_hybrid(h, one, io::save_seq(h.attention(), 1),
+                                                                     io::save_seq(longer.recurrent(), 0))),
+                               errc::invalid_cell, "sequence 1 holds positions [4, 5] in the attention part but [0, 3]"));
+    unchanged();
+    // Parts that agree load (the envelope written by hand equals save_state's).
+    const auto good = write_hybrid(h, whole, io::save_state(h.attention()), io::save_state(h.recurrent()));
+    CHECK(good == io::save_state(h));
+    REQUIRE(io::load_state(target, good));
+    CHECK(kvtest::snapshot(target.attention()) == kvtest::snapshot(h.attention()));
+
+    // Over an ISWA cache: the full-attention part holds every position, the ring pruned its oldest.
+    iswa_shape is;
+    is.shape = rec_hyb_attn_shape(2, 64);
+    is.swa_layers = {true, false};
+    is.swa_n_cells = ring<16>::cells_for(2, 8);
+    using iswa_hyb = hybrid_memory<iswa_cache<16, f32>>;
+    auto iswa_filled = [&](std::size_t n) {
+        iswa_hyb x(is, rsh, rec_hyb_layers);
+        std::vector<pos_t> pos(n);
+        const std::vector<seq_id_t> sq(n, 0);
+        for (std::size_t i = 0; i < n; ++i) pos[i] = static_cast<pos_t>(i);
+        REQUIRE(x.place(pos, sq));
+        REQUIRE(x.commit() == tx_result::committed);
+        return x;
+    };
+    const iswa_hyb a = iswa_filled(20), b = iswa_filled(21);
+    iswa_hyb it(is, rsh, rec_hyb_layers);
+    REQUIRE(io::load_state(it, io::save_state(a)));
+    CHECK(it.seq_pos_max(0) == 19);
+    CHECK(it.attention().window_pos_min(0) > 0);
+    CHECK(it.recurrent().seq_pos_min(0) == 0);
+    const auto i_attn = io::save_state(it.attention());
+    CHECK(kvtest::refused_with(
+        io::load_state(it, write_hybrid(a, whole, io::save_state(a.attention()), io::save_state(b.recurrent()))),
+        errc::invalid_cell, "[0, 19] in the attention part but [0, 20]"));
+    CHECK(io::save_state(it.attention()) == i_attn);
+    CHECK(it.recurrent().seq_pos_max(0) == 19);
+}

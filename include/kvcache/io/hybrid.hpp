@@ -19,14 +19,18 @@
 // Loading validates the envelope and the recurrent part, makes the recurrent part ready
 // to apply (every allocation done), then loads the attention part (which validates all
 // of it before changing anything) and finally applies the recurrent part, which cannot
-// fail: a refused state leaves both parts unchanged. Errors as io/state.hpp and
-// io/recurrent.hpp; a memory with another layer pattern: shape_mismatch.
+// fail: a refused state leaves both parts unchanged. Before the attention part changes,
+// both parts must hold the same positions (per sequence the same last position, the
+// attention part no earlier first one): invalid_cell otherwise. Errors as io/state.hpp
+// and io/recurrent.hpp; a memory with another layer pattern: shape_mismatch.
 #pragma once
 
 #include <cstddef>  // std::byte, std::size_t
 #include <cstdint>  // fixed-width integers
+#include <optional> // part 0 of a composite attention state
 #include <span>     // inputs and outputs
 #include <string>   // messages
+#include <utility>  // std::as_const
 #include <vector>   // buffers
 
 #include "../detail/policy_select.hpp"
@@ -129,6 +133,49 @@ result<hybrid_parts> parse_hybrid(const char* fn, const hybrid_memory<A>& h, std
     return p;
 }
 
+/// Refuses (invalid_cell) a state whose two parts hold different positions: per
+/// sequence the attention part's cells must end at the recurrent interval's last
+/// position (both empty or neither) and start no earlier than its first (an attention
+/// layout may have pruned the oldest positions). `att` is the attention part (part 0
+/// of a composite attention memory), staged for sequence `dst` (one sequence) or for
+/// all (dst < 0).
+inline result<void> hybrid_check_positions(const char* fn, const staged_state& att, const recurrent_staged& rec,
+                                           std::uint32_t n_seq, seq_id_t dst) {
+    struct span_t {
+        std::int64_t mn = -1, mx = -1;
+    };
+    std::vector<span_t> a(n_seq), r(n_seq);
+    auto widen = [](span_t& x, std::int64_t p) {
+        if (x.mx < 0 || p < x.mn) x.mn = p;
+        if (p > x.mx) x.mx = p;
+    };
+    for (std::size_t i = 0; i < att.pos.size(); ++i) {
+        if (dst >= 0) {
+            widen(a[static_cast<std::size_t>(dst)], att.pos[i]);
+            continue;
+        }
+        att.seqs[i].for_each([&](seq_id_t s) {
+            if (s >= 0 && static_cast<std::uint32_t>(s) < n_seq) widen(a[static_cast<std::size_t>(s)], att.pos[i]);
+        });
+    }
+    for (const auto& x : rec.records) {
+        const seq_id_t s = dst >= 0 ? dst : x.seq;
+        if (s >= 0 && static_cast<std::uint32_t>(s) < n_seq) r[static_cast<std::size_t>(s)] = {x.pos_min, x.pos_max};
+    }
+    for (std::uint32_t s = 0; s < n_seq; ++s) {
+        if (dst >= 0 && s != static_cast<std::uint32_t>(dst)) continue;
+        if (a[s].mx == r[s].mx && a[s].mn >= r[s].mn) continue;
+        auto show = [](const span_t& x) {
+            return x.mx < 0 ? std::string("none") : "[" + std::to_string(x.mn) + ", " + std::to_string(x.mx) + "]";
+        };
+        return kvcache::detail::make_error(
+            errc::invalid_cell, std::string(fn) + ": sequence " + std::to_string(s) +
+                                    " holds positions " + show(a[s]) + " in the attention part but " + show(r[s]) +
+                                    " in the recurrent part; both parts must hold the same positions");
+    }
+    return {};
+}
+
 template <class A>
 result<load_info> load_hybrid(const char* fn, hybrid_memory<A>& h, std::span<const std::byte> in, state_kind kind,
                               seq_id_t dst, const load_options& opt) {
@@ -142,8 +189,30 @@ result<load_info> load_hybrid(const char* fn, hybrid_memory<A>& h, std::span<con
     if (!st) return kvcache::detail::make_error(st.code(), st.message());
     recurrent_prepared rp = recurrent_prepare(h.recurrent(), std::move(st.value()), dst);
     A& attn = h.attention_for_update(acc);
-    result<load_info> r = dst < 0 ? io::load_state(attn, parts.value().attention, opt)
-                                  : io::load_seq(attn, dst, parts.value().attention, opt);
+    const std::span<const std::byte> att_bytes = parts.value().attention;
+    auto load_attention = [&]() -> result<load_info> {
+        if constexpr (composite_memory<A>) {
+            // Part 0 (the full-attention cache) holds every position: check it, then load all.
+            auto cparts = parse_composite(fn, att_bytes, expect_of(attn, kind));
+            if (!cparts) return kvcache::detail::make_error(cparts.code(), cparts.message());
+            std::optional<result<staged_state>> part0;
+            std::as_const(attn).for_each_part([&](const auto& part) {
+                if (!part0) part0.emplace(parse_state(fn, part, cparts.value()[0], kind, dst, opt));
+            });
+            if (!*part0) return kvcache::detail::make_error(part0->code(), part0->message());
+            if (auto ok = hybrid_check_positions(fn, part0->value(), rp.staged, h.n_seq_max(), dst); !ok)
+                return kvcache::detail::make_error(ok.code(), ok.message());
+            return dst < 0 ? io::load_state(attn, att_bytes, opt) : io::load_seq(attn, dst, att_bytes, opt);
+        } else {
+            require_raw_view<A>();
+            auto ast = parse_state(fn, attn, att_bytes, kind, dst, opt);
+            if (!ast) return kvcache::detail::make_error(ast.code(), ast.message());
+            if (auto ok = hybrid_check_positions(fn, ast.value(), rp.staged, h.n_seq_max(), dst); !ok)
+                return kvcache::detail::make_error(ok.code(), ok.message());
+            return commit_state(fn, attn, std::move(ast.value()), dst);
+        }
+    };
+    result<load_info> r = load_attention();
     if (!r) return r;  // the attention part refused: nothing changed in either
     recurrent_apply(h.recurrent_for_update(acc), rp);
     return r;
