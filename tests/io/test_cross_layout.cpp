@@ -100,7 +100,7 @@ TEST_CASE("paged refuses a state whose sequences need more blocks than it has; n
     CHECK(append(p, 0, 2, rng));  // still usable
 }
 
-TEST_CASE("contiguous <-> ring: windowed sequences load, shifted ones too; colliding positions are refused unchanged") {
+TEST_CASE("contiguous <-> ring: windowed sequences load, shifted ones too, colliding positions too; more cells than it has are refused unchanged") {
     const auto sh = io_shape(ring::layout::cells_for(2, 4), 2);
     contig c(sh);
     std::mt19937 rng(9);
@@ -115,9 +115,18 @@ TEST_CASE("contiguous <-> ring: windowed sequences load, shifted ones too; colli
     same_cells_and_attention(c, back, 8);
     CHECK(append(w, 0, 2, rng));
 
-    // Positions 0 and 12 of one sequence map to the same ring cell (region 12).
+    // Positions 0 and 12 of one sequence map to the same ring cell (region 12): the 13th
+    // cell goes to a free cell of another region, as a ring that held them would have it.
+    contig thirteen(io_shape(64, 2));
+    append(thirteen, 0, 13, rng);
+    ring w13(sh);
+    auto r13 = io::load_state(w13, io::save_state(thirteen));
+    REQUIRE_MESSAGE(r13.ok(), r13.message());
+    CHECK(picture(w13) == picture(thirteen));
+    CHECK(w13.storage().check_invariants(w13.cells()) == "");
+    // More cells than the ring has: refused, unchanged.
     contig big(io_shape(64, 2));
-    append(big, 0, 13, rng);
+    append(big, 0, sh.n_cells + 1, rng);
     ring w2(sh);
     append(w2, 1, 3, rng);
     const auto snap = snapshot(w2);

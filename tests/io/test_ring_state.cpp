@@ -126,6 +126,50 @@ TEST_CASE("ring states keep their pruning points: one sequence and the whole cac
     CHECK(points(c) == std::vector<kvcache::pos_t>{0, 0, 0, 0});
 }
 
+TEST_CASE("a ring state whose sequence holds more cells than its region loads, also into a fresh ring") {
+    // Regions of 12 cells. Sequence 0: 8 tokens collapsed to position 0 by seq_div, then 4
+    // more (its region full); sequence 1 keeps positions 5..7, copies them to 0 and leaves them:
+    // 0 then holds 15 cells, 3 of them foreign in region 1 (region 0 has no room for them).
+    ring8 a(ring_shape());
+    std::mt19937 rng(5);
+    REQUIRE(append(a, 0, 8, rng));
+    REQUIRE(a.seq_div(0, 0, 8, 8));
+    REQUIRE(append(a, 0, 4, rng));
+    REQUIRE(append(a, 1, 8, rng));
+    REQUIRE(a.seq_rm(1, 0, 5));  // keeps 5, 6, 7: positions 0 does not hold
+    REQUIRE(a.seq_cp(1, 0, -1, -1));
+    REQUIRE(a.seq_rm(1, -1, -1));
+    static_cast<void>(a.commit());
+    REQUIRE(a.cells().seq_cell_count(0) == 15);
+    REQUIRE(a.storage().check_invariants(a.cells()) == "");
+    const auto whole = io::save_state(a);
+    ring8 b(ring_shape());
+    auto r = io::load_state(b, whole);
+    REQUIRE_MESSAGE(r.ok(), r.message());
+    CHECK(picture(b) == picture(a));
+    CHECK(b.storage().check_invariants(b.cells()) == "");
+    std::vector<float> q(4, 0.5f);
+    CHECK(attention_oracle(b, 0, a.seq_pos_max(0), q, 8) == attention_oracle(a, 0, a.seq_pos_max(0), q, 8));
+    // one sequence into another id of a fresh ring, and the cache still places and commits
+    ring8 c(ring_shape());
+    auto rs = io::load_seq(c, 2, io::save_seq(a, 0));
+    REQUIRE_MESSAGE(rs.ok(), rs.message());
+    CHECK(picture(c, 2, 0) == picture(a, 0, 0));
+    CHECK(append(c, 3, 4, rng));
+    CHECK(c.storage().check_invariants(c.cells()) == "");
+    // 15 cells to place and 12 free (sequences 0..2 fill their regions): refused, nothing changed
+    ring8 full(ring_shape());
+    for (seq_id_t s = 0; s < 3; ++s) {
+        REQUIRE(append(full, s, 8, rng));
+        REQUIRE(full.seq_div(s, 0, 8, 8));
+        REQUIRE(append(full, s, 4, rng));
+    }
+    const auto snap = snapshot(full);
+    auto rf = io::load_seq(full, 3, io::save_seq(a, 0));
+    CHECK_FALSE(rf.ok());
+    CHECK(snapshot(full) == snap);
+}
+
 TEST_CASE("other layouts load a pruned ring's cells and ignore its pruning points") {
     const ring8 a = pruned_ring(3);
     contig c(io_shape(64, 4, 1, 1, 4));
@@ -147,9 +191,9 @@ TEST_CASE("a refused load leaves the ring's pruning points as they were") {
     ring8 a = pruned_ring(4);
     const auto snap = snapshot(a);
     const auto pts = points(a);
-    contig big(io_shape(64, 4, 1, 1, 4));  // positions 0 and 12 of one sequence share a ring cell
+    contig big(io_shape(64, 4, 1, 1, 4));  // more cells than the ring has
     std::mt19937 rng(5);
-    REQUIRE(append(big, 0, 13, rng));
+    REQUIRE(append(big, 0, a.capacity() + 1, rng));
     auto r = io::load_state(a, io::save_state(big));
     CHECK(r.code() == errc::no_space);
     CHECK(snapshot(a) == snap);

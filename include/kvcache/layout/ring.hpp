@@ -163,13 +163,15 @@ struct ring {
         /// plan_place for state loading (io/state.hpp), where no transaction can be restored:
         /// every region the state goes to first moves its foreign cells out, as commit() would
         /// (moves, applied in order before the tokens: cell `from` with all its holders to the
-        /// free cell `to` in one of their regions). Refused (no_space) when a region stays full.
+        /// free cell `to` in one of their regions). Tokens whose region stays full go to any free
+        /// cell (see below). Refused (no_space) only when no cell is free.
         [[nodiscard]] result<load_plan> plan_load(const cell_table& cells, std::span<const pos_t> pos,
                                                   std::span<const seq_set> seqs) const {
             tables_->settle();
             load_plan plan;
             plan.cells.reserve(pos.size());
             std::set<std::uint32_t> taken, freed, cleared;  // cleared: regions whose foreign cells moved
+            std::vector<std::size_t> overflow;               // tokens whose own region is full
             for (std::size_t i = 0; i < pos.size(); ++i) {
                 const auto s0 = static_cast<std::uint32_t>(detail::lowest_seq(seqs[i]));
                 if (tables_->foreign_in(s0) != 0 && cleared.insert(s0).second)
@@ -186,9 +188,24 @@ struct ring {
                         plan.moves.push_back({f, to});
                     }
                 const std::uint32_t c = free_cell(cells, s0, pos[i], &taken, &freed);
-                if (c == no_cell) return region_full(s0, pos[i]);
-                taken.insert(c);
+                if (c == no_cell) overflow.push_back(i);
+                else taken.insert(c);
                 plan.cells.push_back(c);
+            }
+            // A saved sequence may hold more cells than its region (positions collapsed by
+            // seq_div, cells another sequence left in a foreign region): such a state was
+            // legal where it was saved, so its overflow goes to any free cell, a holder's
+            // region first; commit() moves them home when room appears, as for foreign cells.
+            for (std::size_t i : overflow) {
+                std::uint32_t c = no_cell;
+                seqs[i].for_each([&](seq_id_t u) {
+                    if (c == no_cell) c = free_cell(cells, static_cast<std::uint32_t>(u), pos[i], &taken, &freed);
+                });
+                for (std::uint32_t cand = 0; c == no_cell && cand < cells.size(); ++cand)
+                    if ((cells.is_free(cand) || freed.count(cand) != 0) && taken.count(cand) == 0) c = cand;
+                if (c == no_cell) return region_full(static_cast<std::uint32_t>(detail::lowest_seq(seqs[i])), pos[i]);
+                taken.insert(c);
+                plan.cells[i] = c;
             }
             return plan;
         }
