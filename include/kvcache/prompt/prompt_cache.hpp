@@ -18,6 +18,14 @@
 // `invalidated`, and never served: by drop_invalid() (slot_manager calls it before every
 // lookup) and by load().
 //
+// Allocation failure (std::bad_alloc; tests/fault_injection/fault_injection_prompt.cpp):
+// drop_invalid completes or changes nothing. save, load, erase and evict_one are compound:
+// when one throws, every entry is intact or never served again (a half-erased entry is out
+// of the index; a half-released shared_store one fails its check), nothing is served
+// wrong, and a load
+// may leave the entry's cells in the destination sequence as well (the caller empties it;
+// slot_manager does). Not yet strong: listed in the README's guarantee table.
+//
 // Thread safety: not thread-safe. A prompt_cache, its store and the cache it works on are
 // one unit: use them from one thread at a time (an external mutex around every call,
 // const calls included, is enough). Distinct prompt_caches over distinct caches are
@@ -355,8 +363,8 @@ public:
         }
         key_symbols(tokens, key_);
         if (index_.has_extension(opt.salt, key_)) {
-            ++metrics_.skipped;
             touch_extension(opt.salt);
+            ++metrics_.skipped;
             release_all(cache, checkpoints);
             return std::nullopt;
         }
@@ -596,9 +604,9 @@ public:
     bool evict_one(Cache& cache) {
         if (order_.empty()) return false;
         const entry_id victim = order_.begin()->second;
-        ++metrics_.evictions;
         remember_evicted(entries_.at(victim));
         erase(cache, victim);
+        ++metrics_.evictions;  // counted once it happened (erase may throw std::bad_alloc)
         return true;
     }
 

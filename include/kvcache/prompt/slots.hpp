@@ -31,6 +31,14 @@
 // not make room, nothing is evicted and the host's placement meets no_space. Counted:
 // prompt-cache `evictions`, slot_states_evicted, room_refused.
 //
+// Allocation failure (std::bad_alloc; tests/fault_injection/fault_injection_prompt.cpp):
+// commit_prompt, append, save_checkpoint and clear_slot complete or change nothing.
+// prepare and release are sequences of such steps: when one throws, nothing is ever
+// served wrong: the cache stays consistent, no slot is left busy by prepare (release
+// leaves its slot busy, holding exactly its tokens, and may be called again), every idle
+// slot's tokens are what its sequence holds (the slot being prepared forgets its tokens,
+// so the next prepare recomputes) and every global entry is intact or gone.
+//
 // Thread safety: not thread-safe. A slot_manager, its prompt cache and the cache it works
 // on are one unit: call them from one thread at a time (one mutex around every call, const
 // calls included). The host's own computation between prepare and commit_prompt may run
@@ -41,6 +49,7 @@
 #include <concepts>     // std::convertible_to
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
+#include <exception>    // std::uncaught_exceptions
 #include <optional>     // global cache
 #include <string>       // messages
 #include <type_traits>  // std::is_copy_constructible_v
@@ -252,6 +261,16 @@ public:
                                                           std::to_string(slots_.size()) + " slots is busy");
         slot& s = slots_[static_cast<std::size_t>(id)];
         const seq_id_t seq = opt_.first_seq + id;
+        // From here on the slot's sequence changes step by step (each step complete or
+        // nothing): if one throws (std::bad_alloc), the slot forgets its tokens, so that
+        // what its sequence holds then is never served; the next prepare recomputes.
+        struct forget_on_throw {
+            slot& s;
+            const int uncaught = std::uncaught_exceptions();
+            ~forget_on_throw() {
+                if (std::uncaught_exceptions() > uncaught) s.tokens.clear();
+            }
+        } guard{s};
         prepared_request out;
         out.slot = id;
         out.seq = seq;
@@ -357,13 +376,14 @@ public:
         out.metrics.computed = plan.n_compute();
         out.metrics.miss = miss_of(request, plan.n_past, load_failed, lost_invalid, swa_cut, lost_salt, media_stop,
                                    reuse_on, ro.salt);
+        prompt_tokens pending = request;  // the last allocation, before the slot turns busy
         count(out.metrics);
         out.n_past = plan.n_past;
         out.k_shift_pending = cache_->has_shift();
         out.plan = std::move(plan);
         s.busy = true;
         s.last_used = ++clock_;
-        s.pending = request;
+        s.pending = std::move(pending);
         s.has_pending = true;
         s.opts = ro;
         last_ = out.metrics;
@@ -412,6 +432,7 @@ public:
         slot& s = slots_[check_slot("save_checkpoint", slot_id)];
         const seq_id_t seq = opt_.first_seq + slot_id;
         if (cache_->seq_pos_max(seq) < 0) return {};
+        s.checkpoints.reserve(s.checkpoints.size() + 1);  // push_back below cannot throw after the save
         auto h = store().save(*cache_, seq);
         if (!h) return detail::make_error(h.code(), "slot_manager::save_checkpoint: " + h.message());
         s.checkpoints.push_back({window_pos_min(seq), cache_->seq_pos_max(seq), std::move(h).value()});
@@ -441,9 +462,6 @@ public:
             if (!s.tokens.empty()) ++counters_.slot_states_invalidated;
             drop_state(s, seq);
         }
-        s.busy = false;
-        s.has_pending = false;
-        s.pending.clear();
         if constexpr (uses_global) {
             if (s.opts.cache_prompt && !s.tokens.empty()) {
                 std::vector<checkpoint> cks;
@@ -453,6 +471,11 @@ public:
                               {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
             }
         }
+        // Idle only once the save is done: when it throws (std::bad_alloc) the slot stays
+        // busy, holding exactly its tokens, and release() can be called again.
+        s.busy = false;
+        s.has_pending = false;
+        s.pending.clear();
         s.generation = detail::seq_fingerprint(*cache_, seq);
     }
 

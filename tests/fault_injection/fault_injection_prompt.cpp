@@ -1,0 +1,314 @@
+// Fault injection for the prompt cache and the slot manager (issue 25): every mutating
+// host entry point (slot_manager prepare / commit_prompt / save_checkpoint / release /
+// clear_slot, prompt_cache save / load / erase / evict_one / drop_invalid) runs with an
+// operator new that throws std::bad_alloc at the N-th allocation, N = 1, 2, ... until it
+// completes, on the contiguous and the paged layout with copy_store and shared_store
+// entries.
+// Strong operations: after each throw everything a host can observe is as it was before
+// the call (the cache: cell metadata, indexes, K/V bytes, block tables; every slot: tokens,
+// busy, checkpoints; the global cache: entries, bytes, tokens; the cumulative metrics), and
+// the same call, run again, gives what it gives on an untouched twin.
+// Compound operations (prepare, release, prompt_cache::save, load, erase, evict_one:
+// documented in slots.hpp and prompt_cache.hpp):
+// after each throw nothing is served wrong: the cache is consistent, no slot was left
+// busy, every idle slot's tokens match its K/V exactly, every entry loads the K/V of its
+// tokens or is refused, and the next request is served exactly.
+#include <doctest/doctest.h>
+
+#include <kvcache/kvcache.hpp>
+#include <kvcache/layout/paged.hpp>
+
+#include <functional>
+#include <new>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "prompt/toy_model.hpp"
+#include "support/fault_alloc.hpp"  // the counting operator new (this file is its only user here)
+#include "support/memory_snapshot.hpp"
+
+namespace fi = kvtest::fi;
+using namespace kvcache;
+
+namespace {
+
+using contig_g = kv_cache<f32, contiguous<>, reuse::global<>>;
+using paged_g = kv_cache<f32, paged<32>, reuse::global<>>;
+
+/// Everything a host can observe of the cache, the slots and the global cache.
+template <class Cache, class Slots>
+std::string fip_observe(const Cache& cache, Slots& slots) {
+    std::ostringstream os;
+    for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
+    for (std::uint32_t i = 0; i < slots.n_slots(); ++i) {
+        const int id = static_cast<int>(i);
+        os << "slot " << i << (slots.busy(id) ? " busy" : " idle") << " ck " << slots.n_checkpoints(id) << " tokens";
+        for (std::size_t t = 0; t < slots.tokens(id).size(); ++t) os << ' ' << slots.tokens(id)[t];
+        os << '\n';
+    }
+    auto& g = slots.global_cache();
+    os << "global " << g.size() << " entries, " << g.bytes() << " bytes, " << g.n_tokens() << " tokens:";
+    for (auto id : g.ids()) os << ' ' << id;
+    os << '\n' << to_prometheus(slots.metrics());
+    return os.str();
+}
+
+/// One request as a host runs it (prepare, compute the rest, one generated token, release).
+template <class Slots, class Cache>
+void fip_request(Slots& slots, Cache& cache, const prompt_tokens& req, int slot_id) {
+    request_options ro;
+    ro.slot_id = slot_id;
+    auto p = slots.prepare(req, ro);
+    if (!p) throw std::logic_error("fault injection fixture: prepare refused: " + p.message());
+    toy::fill(cache, p.value().seq, req, p.value().n_past, p.value().n_request);
+    slots.commit_prompt(p.value().slot);
+    prompt_tokens next = slots.tokens(p.value().slot);
+    next.push_back(90000);
+    toy::fill(cache, p.value().seq, next, next.size() - 1, next.size());
+    slots.append(p.value().slot, 90000);
+    slots.release(p.value().slot);
+}
+
+const prompt_tokens fip_a = toy::text(40, 1000);
+const prompt_tokens fip_b = toy::text(24, 3000);
+
+/// A cache and slot manager with history: slot 0 idle with a + 1 (also a global entry),
+/// slot 1 idle with b + 1 (entry too), slot 2 empty. Paged: 4 blocks of 32 cells, all of
+/// them used once `tight` adds a third request, so a new prompt needs eviction.
+template <class Cache, class Store>
+struct fip_world {
+    Cache cache;
+    slot_manager<Cache, Store> slots;
+    static Store make_store() {
+        if constexpr (std::is_same_v<Store, shared_store<Cache>>) return Store(3, 5);  // sequences 3..7 (8: checks)
+        else return Store{};
+    }
+    explicit fip_world(bool tight)
+        : cache(toy::shape(tight ? 128u : 256u, 9)),
+          slots(cache,
+                [] {
+                    slot_options o;
+                    o.n_slots = 3;
+                    return o;
+                }(),
+                make_store()) {
+        fip_request(slots, cache, fip_a, 0);
+        fip_request(slots, cache, fip_b, 1);
+    }
+};
+
+long fip_total_throws = 0;
+
+/// After a compound operation threw: nothing a later request could be served is wrong.
+template <class Cache, class Store>
+void fip_check_consistent(fip_world<Cache, Store>& w, const std::vector<bool>& busy_before) {
+    if constexpr (requires { w.cache.storage().check_invariants(w.cache.cells()); })
+        REQUIRE(w.cache.storage().check_invariants(w.cache.cells()) == "");
+    for (std::uint32_t i = 0; i < w.slots.n_slots(); ++i) {
+        const int id = static_cast<int>(i);
+        REQUIRE(w.slots.busy(id) == busy_before[i]);
+        const prompt_tokens& held = w.slots.tokens(id);
+        if (!busy_before[i] && !held.empty()) {  // an idle slot's state is served as is by the next prepare
+            CAPTURE(i);
+            REQUIRE(toy::max_error(w.cache, w.slots.seq_of(id), held, held.size()) == 0.0);
+        }
+    }
+    auto& g = w.slots.global_cache();
+    for (auto eid : g.ids()) {
+        const prompt_tokens toks = *g.tokens_of(eid);
+        if (!g.valid(w.cache, eid)) continue;  // dropped, never served, by the next prepare
+        auto r = g.load(w.cache, 8, eid);
+        if (!r) continue;  // refused (no room): a miss, not a wrong hit
+        CAPTURE(eid);
+        REQUIRE(toy::max_error(w.cache, 8, toks, toks.size()) == 0.0);
+        REQUIRE(w.cache.seq_rm(8, -1, -1));
+    }
+    // the next requests are served exactly (fip_request checks nothing itself: check here)
+    for (int slot = 0; slot < 3; ++slot)
+        if (!w.slots.busy(slot)) {
+            const prompt_tokens next = toy::cat(fip_a, toy::text(5, 8000));
+            request_options ro;
+            ro.slot_id = slot;
+            auto p = w.slots.prepare(next, ro);
+            REQUIRE_MESSAGE(p.ok(), p.message());
+            toy::fill(w.cache, p.value().seq, next, p.value().n_past, p.value().n_request);
+            w.slots.commit_prompt(slot);
+            REQUIRE(toy::max_error(w.cache, p.value().seq, next, next.size()) == 0.0);
+            w.slots.release(slot);
+            break;
+        }
+}
+
+/// The first line where two observations differ (doctest would print both whole).
+std::string fip_first_diff(const std::string& a, const std::string& b) {
+    std::istringstream x(a), y(b);
+    std::string lx, ly;
+    for (int i = 0;; ++i) {
+        const bool gx = static_cast<bool>(std::getline(x, lx)), gy = static_cast<bool>(std::getline(y, ly));
+        if (!gx && !gy) return "";
+        if (!gx || !gy || lx != ly)
+            return "line " + std::to_string(i) + ": [" + (gx ? lx : "<none>") + "] vs [" + (gy ? ly : "<none>") + "]";
+    }
+}
+
+/// Sweeps N = 1, 2, ... for `op` on fresh worlds; `prep` runs unarmed on both first.
+template <class Cache, class Store>
+void fip_sweep(const std::string& name, bool tight, bool strict,
+               const std::function<std::string(fip_world<Cache, Store>&)>& op,
+               const std::function<void(fip_world<Cache, Store>&)>& prep = {}) {
+    CAPTURE(name);
+    int throws = 0;
+    for (long n = 1;; ++n) {
+        CAPTURE(n);
+        fip_world<Cache, Store> w(tight), twin(tight);
+        if (prep) {
+            prep(w);
+            prep(twin);
+        }
+        const std::string before = fip_observe(w.cache, w.slots);
+        std::vector<bool> busy_before;
+        for (std::uint32_t i = 0; i < w.slots.n_slots(); ++i) busy_before.push_back(w.slots.busy(static_cast<int>(i)));
+        std::string got;
+        bool threw = false;
+        fi::arm(n);
+        try {
+            got = op(w);
+        } catch (const std::bad_alloc&) {
+            threw = true;
+        } catch (...) {
+            fi::disarm();
+            throw;
+        }
+        fi::disarm();
+        if (!threw) {
+            const std::string want = op(twin);
+            CHECK(got == want);
+            CHECK(fip_first_diff(fip_observe(w.cache, w.slots), fip_observe(twin.cache, twin.slots)) == "");
+            break;
+        }
+        ++throws;
+        if (!strict) {
+            fip_check_consistent(w, busy_before);
+            REQUIRE(n < 100000);
+            continue;
+        }
+        REQUIRE(fip_first_diff(before, fip_observe(w.cache, w.slots)) == "");
+        // the call completes afterwards, as on the untouched twin
+        const std::string again = op(w), want = op(twin);
+        REQUIRE(again == want);
+        REQUIRE(fip_first_diff(fip_observe(w.cache, w.slots), fip_observe(twin.cache, twin.slots)) == "");
+        REQUIRE(n < 100000);
+    }
+    fip_total_throws += throws;
+    const std::string what = strict ? "each left everything as it was" : "after each nothing was served wrong";
+    const std::string line = name + ": " + std::to_string(throws) + " injected failures, " + what;
+    MESSAGE(line);
+}
+
+template <class R>
+std::string fip_describe(const R& r) {
+    return r ? std::string("ok") : "error " + std::to_string(static_cast<int>(r.code()));
+}
+
+template <class Cache, class Store>
+void fip_sweep_all(bool tight) {
+    using world = fip_world<Cache, Store>;
+    const prompt_tokens grown = toy::cat(fip_a, toy::text(3, 7000));
+    const prompt_tokens fresh = toy::text(50, 5000);
+    auto prepare = [](const prompt_tokens& req, int slot_id) {
+        return [req, slot_id](world& w) {
+            request_options ro;
+            ro.slot_id = slot_id;
+            auto p = w.slots.prepare(req, ro);
+            fi::disarm();  // the call is over: describing its result may allocate
+            if (!p) return fip_describe(p);
+            return "n_past " + std::to_string(p.value().n_past) + " slot " + std::to_string(p.value().slot);
+        };
+    };
+    fip_sweep<Cache, Store>("prepare: exact repeat from the slot", tight, false, prepare(fip_a, -1));
+    fip_sweep<Cache, Store>("prepare: growing prompt from the global cache into slot 2", tight, false, prepare(grown, 2));
+    fip_sweep<Cache, Store>("prepare: a new prompt (room made by eviction when tight)", tight, false, prepare(fresh, 2));
+    auto prepared = [fresh](world& w) {
+        request_options ro;
+        ro.slot_id = 2;
+        auto p = w.slots.prepare(fresh, ro).value();
+        toy::fill(w.cache, p.seq, fresh, p.n_past, p.n_request);
+    };
+    fip_sweep<Cache, Store>(
+        "commit_prompt", tight, true,
+        [](world& w) {
+            w.slots.commit_prompt(2);
+            return std::string("ok");
+        },
+        prepared);
+    fip_sweep<Cache, Store>(
+        "save_checkpoint", tight, true,
+        [](world& w) {
+            auto r = w.slots.save_checkpoint(2);
+            fi::disarm();
+            return fip_describe(r);
+        },
+        [prepared](world& w) {
+            prepared(w);
+            w.slots.commit_prompt(2);
+        });
+    fip_sweep<Cache, Store>(
+        "release (saves into the global cache)", tight, false,
+        [](world& w) {
+            w.slots.release(2);
+            return std::string("ok");
+        },
+        [prepared](world& w) {
+            prepared(w);
+            w.slots.commit_prompt(2);
+        });
+    fip_sweep<Cache, Store>("clear_slot", tight, true, [](world& w) {
+        w.slots.clear_slot(0);
+        return std::string("ok");
+    });
+    fip_sweep<Cache, Store>("prompt_cache::load into an empty sequence", tight, false, [](world& w) {
+        auto& g = w.slots.global_cache();
+        const auto id = g.ids().front();
+        auto r = g.load(w.cache, 8, id);
+        fi::disarm();
+        return fip_describe(r);
+    });
+    fip_sweep<Cache, Store>("prompt_cache::save of slot 1's sequence", tight, false, [](world& w) {
+        auto r = w.slots.global_cache().save(w.cache, 1, w.slots.tokens(1));
+        fi::disarm();
+        return r ? "saved " + std::to_string(*r) : std::string("not saved");
+    });
+    fip_sweep<Cache, Store>("prompt_cache::erase", tight, false, [](world& w) {
+        auto& g = w.slots.global_cache();
+        const auto id = g.ids().back();
+        const bool erased = g.erase(w.cache, id);
+        fi::disarm();
+        return std::string(erased ? "erased" : "kept");
+    });
+    fip_sweep<Cache, Store>("prompt_cache::evict_one", tight, false, [](world& w) {
+        const bool evicted = w.slots.global_cache().evict_one(w.cache);
+        fi::disarm();
+        return std::string(evicted ? "evicted" : "none");
+    });
+    fip_sweep<Cache, Store>(
+        "prompt_cache::drop_invalid after a host seq_rm", tight, true,
+        [](world& w) {
+            const auto n = w.slots.global_cache().drop_invalid(w.cache).n;
+            fi::disarm();
+            return std::to_string(n);
+        },
+        [](world& w) { static_cast<void>(w.cache.seq_rm(0, 10, -1)); });
+}
+
+}  // namespace
+
+TEST_CASE("fault injection: slots and prompt cache, contiguous, copy_store") {
+    fip_sweep_all<contig_g, copy_store<contig_g>>(false);
+}
+TEST_CASE("fault injection: slots and prompt cache, paged, copy_store, no free block") {
+    fip_sweep_all<paged_g, copy_store<paged_g>>(true);
+}
+TEST_CASE("fault injection: slots and prompt cache, paged, shared_store") {
+    fip_sweep_all<paged_g, shared_store<paged_g>>(false);
+}
