@@ -367,3 +367,72 @@ TEST_CASE("hybrid_memory with a q8_0 attention part: attention, K-shift, state f
     CHECK_FALSE(q.seq_rm(0, 10, 12).ok());
     CHECK(kvtest::snapshot(q.attention()) == snap_q);
 }
+
+TEST_CASE("quantized state files: NaN and inf scales load and read back NaN / inf, a cut block is refused") {
+    // The quantized-block inputs of tests/fuzz/regressions (quant_*, made by make_corpus)
+    // built here the same way, with the documented behaviour (io/format.hpp, "Block elements").
+    auto sh = qmem_shape(64, 2);
+    sh.rope.type = kvcache::rope_type::normal;
+    kvcache::kv_cache<kvcache::q8_0> src(sh);
+    kvcache::kv_cache<kvcache::f32> twin(sh);
+    std::mt19937 rng(8500);
+    qmem_fill(src, twin, 2, sh, 0, 0, 10, rng);
+    const std::uint32_t cell = *src.cells().used_cells().begin();
+    auto with_scale = [&](bool v_side, std::uint16_t bits) {
+        auto v = src.storage().view(0);
+        auto& blk = v_side ? v.v[v.v_unit(1, cell, 0)] : v.k[v.k_unit(1, cell, 0)];
+        const auto old = blk.d;
+        blk.d = static_cast<kvcache::half>(bits);
+        auto bytes = kvcache::io::save_state(src);
+        blk.d = old;
+        return bytes;
+    };
+    const std::size_t dk = sh.dim_k(), dv = sh.dim_v();
+    for (bool v_side : {false, true})
+        for (std::uint16_t bits : {std::uint16_t{0x7e00}, std::uint16_t{0xfe01}, std::uint16_t{0x7c00}}) {
+            CAPTURE(v_side);
+            CAPTURE(bits);
+            kvcache::kv_cache<kvcache::q8_0> dst(sh);
+            REQUIRE(kvcache::io::load_state(dst, with_scale(v_side, bits)).ok());
+            // The cell at position 0 of sequence 0: head 1's first 32 values are NaN (NaN
+            // scale) or +-inf / NaN (inf scale, NaN where the code is 0); the rest as saved.
+            std::uint32_t c0 = 0;
+            while (dst.cells().pos(c0) != src.cells().pos(cell)) ++c0;
+            std::vector<float> row(v_side ? sh.v_row_size() : sh.k_row_size()), want(row.size());
+            (v_side ? dst.read_v(0, c0, row.data()) : dst.read_k(0, c0, row.data()));
+            (v_side ? src.read_v(0, cell, want.data()) : src.read_k(0, cell, want.data()));
+            const std::size_t d = v_side ? dv : dk;
+            for (std::size_t i = 0; i < row.size(); ++i) {
+                if (i < d || i >= d + 32) {
+                    CHECK(row[i] == want[i]);
+                } else if (bits == 0x7c00) {
+                    CHECK((std::isinf(row[i]) || (std::isnan(row[i]) && want[i] == 0.0f)));
+                } else {
+                    CHECK(std::isnan(row[i]));
+                }
+            }
+            // Attention rows of sequence 0 see the cell: head group 1 is not finite.
+            std::vector<float> q(4 * dk, 0.25f), out(4 * dv);
+            const pos_t qp = 10;
+            const seq_id_t qs = 0;
+            kvcache::ops::attention_params p;
+            p.n_head = 4;
+            kvcache::ops::attention_workspace ws;
+            kvcache::ops::attention(dst, 0, q.data(), &qp, &qs, 1, p, out.data(), ws);
+            for (std::size_t i = 0; i < out.size(); ++i) CHECK(std::isfinite(out[i]) == (i < 2 * dv));
+        }
+    // A state cut inside its last block (total_size and checksum made to match) is refused.
+    auto cut = kvcache::io::save_state(src);
+    cut.resize(cut.size() - 8 - 20);
+    const std::uint64_t total = cut.size() + 8;
+    std::memcpy(cut.data() + kvcache::io::detail::off::total_size, &total, 8);
+    const std::uint64_t h = kvcache::io::checksum(std::span<const std::byte>(cut.data(), cut.size()));
+    cut.resize(cut.size() + 8);
+    std::memcpy(cut.data() + cut.size() - 8, &h, 8);
+    kvcache::kv_cache<kvcache::q8_0> dst(sh);
+    qmem_fill(dst, twin, 2, sh, 1, 0, 3, rng);
+    const auto before = kvtest::snapshot(dst);
+    auto r = kvcache::io::load_state(dst, cut);
+    REQUIRE_FALSE(r.ok());
+    CHECK(kvtest::snapshot(dst) == before);
+}
