@@ -37,6 +37,7 @@ struct options {
     std::string model;       ///< --model FILE: a llama2.c checkpoint instead of the random model
     std::string tokenizer;   ///< --tokenizer FILE: llama2.c's tokenizer.bin instead of the byte tokenizer
     std::string save_model;  ///< --save-model FILE: write the model in use as a llama2.c checkpoint
+    std::string cache_type = "f32";  ///< --cache-type f32|f16|bf16|q8_0|q4_0: K/V element of the TTFT runs
     std::uint64_t seed = 42;  ///< weights seed; text seeds seed+1 .. seed+3
     int base_tokens = 0;      ///< 0: sized to the model (scenarios::fit_to_model: 1000, fewer for a short context)
     int threads = 0;          ///< 0: OpenMP's default (one thread on a busy machine)
@@ -65,6 +66,7 @@ public:
 /// The usage text (ends with a newline).
 inline const char* usage_text() noexcept {
     return "usage: kvcache_demo [--json FILE] [--seed N] [--base-tokens N] [--threads N]\n"
+           "                    [--cache-type f32|f16|bf16|q8_0|q4_0]\n"
            "                    [--model llama2c.bin] [--tokenizer tokenizer.bin] [--save-model FILE]\n"
            "                    [--context-shift] [--self-extend] [--ttft] [--no-timing]\n"
            "                    [--ctx N] [--n-keep N] [--n-gen N] [--ga-n N] [--ga-w N] [--temp T]\n"
@@ -216,6 +218,12 @@ inline options parse(int argc, const char* const* argv) {
             return out;
         };
         if (a == "--json") o.json = value();
+        else if (a == "--cache-type") {
+            o.cache_type = value();
+            if (o.cache_type != "f32" && o.cache_type != "f16" && o.cache_type != "bf16" && o.cache_type != "q8_0" &&
+                o.cache_type != "q4_0")
+                throw cli_error("--cache-type = " + o.cache_type + ": must be f32, f16, bf16, q8_0 or q4_0");
+        }
         else if (a == "--rope-scaling") {
             o.rope.scaling = value();
             if (o.rope.scaling != "none" && o.rope.scaling != "linear" && o.rope.scaling != "yarn" &&

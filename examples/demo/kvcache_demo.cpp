@@ -5,6 +5,7 @@
 //
 //   kvcache_demo                      everything (a few minutes on 2 cores)
 //   kvcache_demo --json rows.json     also write the TTFT rows as JSON
+//   kvcache_demo --cache-type q8_0    the TTFT runs on q8_0 K/V (f32 f16 bf16 q8_0 q4_0)
 //   kvcache_demo --context-shift      only the context-shift run
 //   kvcache_demo --self-extend        only the Self-Extend run
 //   kvcache_demo --model stories15M.bin   a real llama2.c checkpoint instead of the random model
@@ -98,10 +99,11 @@ int main(int argc, char** argv) {
     std::snprintf(machine, sizeof machine, "%d OpenMP threads", n_threads);
     std::printf("model: dim %d, hidden %d, %d layers, %d query heads / %d KV heads of %d, vocab %d, context %d, "
                 "%.1fM parameters; RoPE base %g, scale %g\n"
-                "cache: f32 K/V, %zu bytes per token; %s; text seeds %llu..%llu (--seed)\n",
+                "cache: %s K/V in the TTFT runs (--cache-type; f32 in the context-shift and Self-Extend runs), "
+                "%zu bytes per token in f32; %s; text seeds %llu..%llu (--seed)\n",
                 c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), c.vocab_size, c.seq_len,
                 static_cast<double>(w.n_params()) / 1e6, static_cast<double>(c.rope.freq_base),
-                static_cast<double>(c.rope.freq_scale),
+                static_cast<double>(c.rope.freq_scale), o.cache_type.c_str(),
                 demo::cache_shape_for(c, 1, 1).bytes_per_token(sizeof(float)), machine, static_cast<unsigned long long>(o.seed + 1),
                 static_cast<unsigned long long>(o.seed + 3));
 
@@ -119,8 +121,13 @@ int main(int argc, char** argv) {
     try {
         if (o.ttft) {
             std::printf("\n== TTFT through slots + global prompt cache (base prompt %d tokens)\n", o.base_tokens);
-            demo::scenarios::ttft_runner runner(w, tok, o);
-            rows = runner.run();
+            // --cache-type: the K/V element of the served cache and of its cold verifier.
+            auto run_with = [&]<class E>() { return demo::scenarios::basic_ttft_runner<E>(w, tok, o).run(); };
+            if (o.cache_type == "f16") rows = run_with.template operator()<kvcache::f16>();
+            else if (o.cache_type == "bf16") rows = run_with.template operator()<kvcache::bf16>();
+            else if (o.cache_type == "q8_0") rows = run_with.template operator()<kvcache::q8_0>();
+            else if (o.cache_type == "q4_0") rows = run_with.template operator()<kvcache::q4_0>();
+            else rows = run_with.template operator()<kvcache::f32>();
             for (const demo::report::row& x : rows) ok = ok && x.pass;
         }
         if (o.context_shift) {

@@ -23,6 +23,7 @@ namespace demo::report {
 /// One row of the TTFT table.
 struct row {
     std::string scenario;
+    std::string cache_type = "f32";  ///< K/V element of the run (--cache-type)
     int round = 0;
     std::string what;  ///< short description of the request
     std::size_t n_prompt = 0;
@@ -252,6 +253,7 @@ inline void write_json(std::ostream& out, const std::vector<row>& rows, const st
     for (const row& x : rows) {
         j.begin_object()
             .member("scenario", x.scenario)
+            .member("cache_type", x.cache_type)
             .member("round", x.round)
             .member("ttft_ms", x.ttft_ms)
             .member("ratio", x.ratio)

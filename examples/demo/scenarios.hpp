@@ -20,6 +20,7 @@
 #include <span>              // token ranges
 #include <stdexcept>         // std::logic_error
 #include <string>            // labels
+#include <type_traits>       // kshift_tol_for
 #include <utility>           // std::pair
 #include <vector>            // tokens, rows
 
@@ -43,13 +44,25 @@ using clock_type = std::chrono::steady_clock;
 /// The cache the server uses: f32 K/V (the logits check needs exact agreement), the
 /// contiguous layout, and llama-server's reuse stack: a global prompt cache over LCP +
 /// chunk shifting with n_cache_reuse = 32.
-using server_cache = kvcache::kv_cache<kvcache::f32, kvcache::contiguous<>,
-                                       kvcache::reuse::global<kvcache::reuse::chunk_shift<32>>>;
+/// server_cache_of<E>: the same with K/V element E (--cache-type: f16, bf16, q8_0, q4_0).
+template <class E = kvcache::f32>
+using server_cache_of = kvcache::kv_cache<E, kvcache::contiguous<>,
+                                          kvcache::reuse::global<kvcache::reuse::chunk_shift<32>>>;
+using server_cache = server_cache_of<>;
 /// The cache of the verification runs and of the context-shift / Self-Extend runs.
 using plain_cache = kvcache::kv_cache<kvcache::f32>;
 
 /// Tolerance of the K-shift checks (relative, against a float64 RoPE).
 constexpr double kshift_tol = 1e-5;
+/// The same for a cache of element E, whose K-shift rounds K to E again (|error| / (1 + |K|)
+/// after one more rounding: f16 2^-11, bf16 2^-8; q8_0 max|x| / 254 and q4_0 max|x| / 16 of a
+/// block of 32, measured on the demo's models with margin).
+template <class E>
+constexpr double kshift_tol_for = std::is_same_v<E, kvcache::f32>    ? kshift_tol
+                                  : std::is_same_v<E, kvcache::f16>  ? 1e-3
+                                  : std::is_same_v<E, kvcache::bf16> ? 8e-3
+                                  : std::is_same_v<E, kvcache::q8_0> ? 0.05
+                                                                     : 0.5;
 
 // ------------------------------------------------------------------- steps and checks
 
@@ -128,10 +141,11 @@ struct chunk_report {
     std::size_t n_moved = 0;   ///< of those, cells the plan moves to another position
     bool positions_ok = false; ///< every kept/moved cell is where the plan says
     bool tokens_ok = false;    ///< every move carries cached tokens equal to the request's at dst
+    double tol = kshift_tol;   ///< K-shift tolerance (kshift_tol_for<E> of the cache's element)
     /// What the library guarantees, and that something moved.
     [[nodiscard]] bool ok() const noexcept {
         return positions_ok && tokens_ok && n_moved > 0 && kshift.n_cells == n_kept && kshift.n_moved == n_moved &&
-               kshift.max_error <= kshift_tol;
+               kshift.max_error <= tol;
     }
 };
 
@@ -269,10 +283,13 @@ inline double ms_since(clock_type::time_point t0) {
 
 // ------------------------------------------------------------------------------- TTFT
 
-/// Computes a prompt from scratch in its own cache and compares the logits.
-class verifier {
+/// Computes a prompt from scratch in its own cache (K/V element E, the served cache's: a
+/// hit must equal a cold run of the same cache type) and compares the logits.
+template <class E = kvcache::f32>
+class basic_verifier {
 public:
-    verifier(const demo::llama_weights& w, std::uint32_t n_cells) : engine_(w), cache_(engine_.cache_shape(n_cells, 1)) {}
+    basic_verifier(const demo::llama_weights& w, std::uint32_t n_cells)
+        : engine_(w), cache_(engine_.cache_shape(n_cells, 1)) {}
 
     /// Cold logits of `prompt` against `got` (vocab floats): max |diff| and argmax agreement;
     /// a NaN or infinity on either side is a mismatch (demo::compare_logits).
@@ -287,9 +304,10 @@ public:
     }
 
 private:
-    demo::llama_engine<plain_cache> engine_;
-    plain_cache cache_;
+    demo::llama_engine<kvcache::kv_cache<E>> engine_;
+    kvcache::kv_cache<E> cache_;
 };
+using verifier = basic_verifier<>;
 
 /// Max |logits difference| a cached request may show against its cold recomputation.
 inline constexpr double logits_tol = 1e-4;
@@ -302,12 +320,15 @@ inline constexpr double logits_tol = 1e-4;
     return buf;
 }
 
-/// The TTFT scenarios, each on a fresh server_cache through the slots and the global prompt
-/// cache; every request is a row (timing against the scenario's cold round, logits against a
-/// cold recomputation where reuse must be exact).
-class ttft_runner {
+/// The TTFT scenarios, each on a fresh server_cache_of<E> through the slots and the global
+/// prompt cache; every request is a row (timing against the scenario's cold round, logits
+/// against a cold recomputation with the same element where reuse must be exact).
+template <class E = kvcache::f32>
+class basic_ttft_runner {
+    using server_cache = server_cache_of<E>;
+
 public:
-    ttft_runner(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o)
+    basic_ttft_runner(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o)
         : opt_(o), engine_(w), verify_(w, n_cells()), text_(tok, o.seed + 1) {}
 
     std::vector<row> run() {
@@ -358,6 +379,7 @@ private:
         demo::response r = s.srv.serve(prompt, ro, n_generate, greedy);
         row x;
         x.scenario = scenario;
+        x.cache_type = std::string(E::name);
         x.round = round;
         x.what = what;
         x.n_prompt = prompt.size();
@@ -492,7 +514,8 @@ private:
         const std::vector<token_t> second = concat({&sys, &doc, &question});
         const demo::response r = serve(s, "chunk reuse", 2, "system + document + question", second, 0.15, false);
         row& x = rows_.back();
-        const chunk_report cr = check_chunk_moves(s.cache, 0, before, r.plan, first, second);
+        chunk_report cr = check_chunk_moves(s.cache, 0, before, r.plan, first, second);
+        cr.tol = kshift_tol_for<E>;
         const bool moved = cr.ok() && r.plan.n_shifted() == r.metrics.from_shift;
         const double worst = cr.kshift.max_error;
         // The moved block's K/V were computed after the old turn, so (as in llama-server's
@@ -535,12 +558,13 @@ private:
 
     const options& opt_;
     demo::llama_engine<server_cache> engine_;
-    verifier verify_;
+    basic_verifier<E> verify_;
     text_source text_;
     std::vector<row> rows_;
     double cold_ms_ = 1;
     double cold_a_ = 1;
 };
+using ttft_runner = basic_ttft_runner<>;
 // ---------------------------------------------------------------------- context shift
 
 /// F13: generates past the context size; every time it is full, keeps n_keep tokens,

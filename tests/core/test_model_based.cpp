@@ -40,6 +40,21 @@ float stored(float x) {
         return x;
 }
 
+/// The values the cache stores for a row of n values (n a multiple of E's block size):
+/// block elements quantize and dequantize whole blocks (q8_0 / q4_0: 32 values, one scale).
+template <class E>
+std::vector<float> stored_row(const float* x, std::size_t n) {
+    std::vector<float> out(n);
+    if constexpr (kvcache::is_block_element<E>) {
+        std::vector<typename E::storage_type> blocks(n / kvcache::element_block_size_v<E>);
+        E::from_float(x, blocks.data(), n);
+        E::to_float(blocks.data(), out.data(), n);
+    } else {
+        for (std::size_t j = 0; j < n; ++j) out[j] = stored<E>(x[j]);
+    }
+    return out;
+}
+
 template <class Cache>
 void compare(const Cache& c, const kvtest::cache_model& m, std::uint64_t step, const std::string& what) {
     INFO("step " << step << ": " << what);
@@ -87,14 +102,14 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
     kvcache::model_shape shape;
     shape.n_layer = 2;
     shape.n_head_kv = 2;
-    shape.head_dim_k = 4;
-    shape.head_dim_v = 2;
+    using E = typename Cache::element;
+    shape.head_dim_k = kvcache::is_block_element<E> ? 64 : 4;  // block elements: whole blocks of 32
+    shape.head_dim_v = kvcache::is_block_element<E> ? 32 : 2;
     shape.n_cells = 40;  // 2.5 K tiles
     shape.n_seq_max = 4;
     Cache c(shape);
     kvtest::cache_model m(shape);
     const int n_seq = static_cast<int>(shape.n_seq_max);
-    using E = typename Cache::element;
 
     auto rand_range = [&](pos_t& p0, pos_t& p1) {
         p0 = chance(0.2) ? -1 : uni(0, 60);
@@ -167,10 +182,8 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
                     c.write_k(l, r.value().cells, k.data());
                     c.write_v(l, r.value().cells, v.data());
                     for (std::size_t i = 0; i < pos.size(); ++i) {
-                        std::vector<float> mk(shape.k_row_size()), mv(shape.v_row_size());
-                        for (std::size_t j = 0; j < mk.size(); ++j) mk[j] = stored<E>(k[i * mk.size() + j]);
-                        for (std::size_t j = 0; j < mv.size(); ++j) mv[j] = stored<E>(v[i * mv.size() + j]);
-                        m.write(l, (*mr)[i], mk, mv);
+                        const std::size_t nk = shape.k_row_size(), nv = shape.v_row_size();
+                        m.write(l, (*mr)[i], stored_row<E>(k.data() + i * nk, nk), stored_row<E>(v.data() + i * nv, nv));
                     }
                 }
             }
@@ -298,6 +311,13 @@ TEST_CASE("model-based random operations: f16") {
 TEST_CASE("model-based random operations: bf16, transposed V") {
     run_model_test<kvcache::kv_cache<kvcache::bf16, kvcache::contiguous<kvcache::v_layout::transposed>>>(
         "bf16/vt", env_or("KVCACHE_MODEL_OPS", 60000));
+}
+TEST_CASE("model-based random operations: q8_0 (blocks of 32 values, one scale)") {
+    run_model_test<kvcache::kv_cache<kvcache::q8_0>>("q8_0", env_or("KVCACHE_MODEL_OPS", 8000));
+}
+TEST_CASE("model-based random operations: q4_0, transposed V") {
+    run_model_test<kvcache::kv_cache<kvcache::q4_0, kvcache::contiguous<kvcache::v_layout::transposed>>>(
+        "q4_0", env_or("KVCACHE_MODEL_OPS", 8000));
 }
 TEST_CASE("model-based random operations: f16, transposed V") {
     run_model_test<kvcache::kv_cache<kvcache::contiguous<kvcache::v_layout::transposed>, kvcache::f16>>(

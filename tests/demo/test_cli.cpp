@@ -46,6 +46,8 @@ TEST_CASE("cli: every option and the run selection") {
                           "--n-gen", "160", "--ga-n", "2", "--ga-w", "64", "--temp", "0", "--no-timing",
                           "--rope-base", "500000", "--rope-scale", "0.25"});
     CHECK(o.json == "r.json");
+    CHECK(o.cache_type == "f32");  // the default
+    for (const char* t : {"f32", "f16", "bf16", "q8_0", "q4_0"}) CHECK(parse({"--cache-type", t}).cache_type == t);
     CHECK(o.model == "m.bin");
     CHECK(o.tokenizer == "t.bin");
     CHECK(o.save_model == "s.bin");
@@ -83,6 +85,8 @@ TEST_CASE("cli: bad arguments name the argument, the value and the rule") {
         CHECK_THROWS_WITH_AS(parse(args), doctest::Contains(what), cli_error);
     };
     refused({"--bogus"}, "unknown argument --bogus");
+    refused({"--cache-type", "q5_1"}, "--cache-type = q5_1: must be f32, f16, bf16, q8_0 or q4_0");
+    refused({"--cache-type"}, "--cache-type needs a value");
     refused({"--json"}, "--json needs a value");
     refused({"--seed"}, "--seed needs a value");
     refused({"--seed", "x"}, "--seed = x: must be an integer in [0, 1099511627776]");

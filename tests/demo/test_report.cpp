@@ -86,6 +86,7 @@ TEST_CASE("write_json: the demo's rows and checks, parseable field by field") {
     cold.ttft_ms = 1042.5;
     demo::report::row warm = cold;
     warm.round = 2;
+    warm.cache_type = "q8_0";  // --cache-type q8_0
     warm.m.computed = 1;
     warm.m.from_slot = 999;
     warm.ratio = 0.0125;
@@ -96,11 +97,11 @@ TEST_CASE("write_json: the demo's rows and checks, parseable field by field") {
     demo::report::write_json(s, {cold, warm}, "2 OpenMP threads", checks);
     CHECK(s.str() ==
           "{\n  \"machine\": \"2 OpenMP threads\",\n  \"rows\": [\n"
-          "    {\"scenario\": \"exact \\\"repeat\\\"\", \"round\": 1, \"ttft_ms\": 1042.5, \"ratio\": 1, "
+          "    {\"scenario\": \"exact \\\"repeat\\\"\", \"cache_type\": \"f32\", \"round\": 1, \"ttft_ms\": 1042.5, \"ratio\": 1, "
           "\"expected_max_ratio\": null, \"expected_min_ratio\": null, \"pass\": true, \"request\": \"base (cold)\", "
           "\"n_prompt\": 1000, \"computed\": 1000, \"from_slot\": 0, \"from_global\": 0, \"from_shift\": 0, "
           "\"logits_max_abs_diff\": null, \"logits_argmax_match\": true, \"logits_check_ok\": true},\n"
-          "    {\"scenario\": \"exact \\\"repeat\\\"\", \"round\": 2, \"ttft_ms\": 1042.5, \"ratio\": 0.0125, "
+          "    {\"scenario\": \"exact \\\"repeat\\\"\", \"cache_type\": \"q8_0\", \"round\": 2, \"ttft_ms\": 1042.5, \"ratio\": 0.0125, "
           "\"expected_max_ratio\": 0.02, \"expected_min_ratio\": null, \"pass\": true, \"request\": \"base (cold)\", "
           "\"n_prompt\": 1000, \"computed\": 1, \"from_slot\": 999, \"from_global\": 0, \"from_shift\": 0, "
           "\"logits_max_abs_diff\": 2e-06, \"logits_argmax_match\": true, \"logits_check_ok\": true}\n"

@@ -7,6 +7,7 @@
 // after the completing run it must equal the same operation on an untouched twin.
 #include <doctest/doctest.h>
 
+#include <kvcache/element/q8_0.hpp>
 #include <kvcache/io/hybrid.hpp>
 #include <kvcache/io/recurrent.hpp>
 #include <kvcache/io/state.hpp>
@@ -43,6 +44,9 @@ namespace {
 
 constexpr std::uint32_t W = 16;
 using contig_t = kv_cache<f32>;
+using contig_q8_t = kv_cache<q8_0>;  // quantized K/V: blocks of 32 values of one cell
+template <class M>
+constexpr bool fi_contiguous = std::is_same_v<M, contig_t> || std::is_same_v<M, contig_q8_t>;
 using paged_t = kv_cache<f32, paged<32>>;
 using ring_t = kv_cache<f32, ring<W>>;
 using iswa_t = iswa_cache<W, f32>;
@@ -107,7 +111,11 @@ void put(M& m, seq_id_t s, pos_t p0, std::uint32_t n, float seed) {
 template <class M>
 M make_cache(bool tight) {
     M m = [] {
-        if constexpr (std::is_same_v<M, contig_t> || std::is_same_v<M, paged_t>) return M(small_shape(128, 4));
+        if constexpr (std::is_same_v<M, contig_q8_t>) {
+            model_shape q = small_shape(128, 4);
+            q.head_dim_k = 32;  // one q8_0 block per head row
+            return M(q);
+        } else if constexpr (std::is_same_v<M, contig_t> || std::is_same_v<M, paged_t>) return M(small_shape(128, 4));
         else if constexpr (std::is_same_v<M, ring_t>) return M(small_shape(ring<W>::cells_for(4, 8), 4));
         else {
             iswa_shape s;
@@ -124,7 +132,7 @@ M make_cache(bool tight) {
     put(m, 2, 0, 6, 3.0f);
     if (tight) {
         if constexpr (std::is_same_v<M, paged_t>) put(m, 3, 0, 32, 4.0f);  // the last free block
-        else if constexpr (std::is_same_v<M, contig_t>) put(m, 3, 0, 105, 4.0f);  // 2 cells left
+        else if constexpr (fi_contiguous<M>) put(m, 3, 0, 105, 4.0f);  // 2 cells left
     }
     return m;
 }
@@ -290,7 +298,7 @@ void sweep_all() {
                        must(m.seq_rm(3, -1, -1).ok());
                        return describe(io::load_seq(m, 3, bytes));
                    }});
-    if constexpr (std::is_same_v<M, contig_t>)
+    if constexpr (fi_contiguous<M>)
         ops.push_back({"defrag", [](M& m) {
                            ops::defrag_params p;
                            p.threshold = 0.0f;
@@ -654,6 +662,7 @@ void rec_sweep_all() {
 }  // namespace
 
 TEST_CASE("fault injection: contiguous kv_cache") { sweep_all<contig_t>(); }
+TEST_CASE("fault injection: contiguous kv_cache, q8_0 K/V") { sweep_all<contig_q8_t>(); }
 TEST_CASE("fault injection: paged kv_cache") { sweep_all<paged_t>(); }
 TEST_CASE("fault injection: ring kv_cache") { sweep_all<ring_t>(); }
 TEST_CASE("fault injection: iswa_cache") { sweep_all<iswa_t>(); }

@@ -65,6 +65,19 @@ inline kvcache::model_shape shape_b() {
     return s;
 }
 
+/// Shape Q for the quantized targets (q8_0 contiguous, q4_0 transposed V): head rows of
+/// one and two blocks of 32 values.
+inline kvcache::model_shape shape_q() {
+    kvcache::model_shape s;
+    s.n_layer = 2;
+    s.n_head_kv = 2;
+    s.head_dim_k = 64;
+    s.head_dim_v = 32;
+    s.n_cells = 48;
+    s.n_seq_max = 4;
+    return s;
+}
+
 [[noreturn]] inline void die(const char* layout, const char* what, const std::string& msg) {
     std::fprintf(stderr, "kvfuzz: %s: %s (%s)\n", layout, what, msg.c_str());
     std::abort();
@@ -216,13 +229,17 @@ struct target {
 };
 
 /// The caches under test. Each input goes to one of them, picked from fields the
-/// fuzzer mutates (element size: shape B when 4; layout_id: contiguous, paged or ring)
+/// fuzzer mutates (element size: shape B when 4, the q8_0 / q4_0 targets when its low 16
+/// bits are 34 / 18; layout_id: contiguous, paged or ring)
 /// and loaded with load_seq when its kind says one sequence, else with load_state:
 /// two loads per input (as given, resealed) instead of every combination keeps
 /// executions fast, and the mutations still reach every target and both loaders.
 struct targets {
     target<kvcache::kv_cache<kvcache::f16>> a{shape_a()};
     target<kvcache::kv_cache<kvcache::f32, kvcache::contiguous<kvcache::v_layout::transposed>>> b{shape_b()};
+    // Quantized blocks (bad scales, NaN scales, blocks cut short: io/format.hpp).
+    target<kvcache::kv_cache<kvcache::q8_0>> q8{shape_q()};
+    target<kvcache::kv_cache<kvcache::q4_0, kvcache::contiguous<kvcache::v_layout::transposed>>> q4{shape_q()};
 #ifdef KVFUZZ_HAS_PAGED_RING
     target<kvcache::kv_cache<kvcache::f16, kvcache::paged<32>>> a_paged{shape_a_paged()};
     target<kvcache::kv_cache<kvcache::f16, kvcache::ring<8>>> a_ring{shape_a()};
@@ -234,6 +251,8 @@ struct targets {
         namespace off = io::detail::off;
         const bool one_seq = field(off::kind) == 1;
         if (field(off::elem_size) == 4) return b.run(in, one_seq);
+        if ((field(off::elem_size) & 0xffffu) == sizeof(kvcache::block_q8_0)) return q8.run(in, one_seq);
+        if ((field(off::elem_size) & 0xffffu) == sizeof(kvcache::block_q4_0)) return q4.run(in, one_seq);
 #ifdef KVFUZZ_HAS_PAGED_RING
         switch (field(off::layout_id) / 2 % 3) {  // ids 0/1 contiguous, 2/3 paged, 4/5 ring
             case 1: return a_paged.run(in, one_seq);

@@ -2,8 +2,13 @@
 // sequence, with and without tokens/media, shared cells, pending shifts, duplicate
 // positions from seq_div, a ring's pruning points), and of the state memories (recurrent
 // "KVRS" and hybrid "KVHY" states: whole memory, one sequence, empty, with a prompt, and
-// truncated copies). Usage: make_corpus <output dir>.
-// The files in corpus/ were made with it; run it again after a format change.
+// truncated copies), and of quantized caches (q8_0, q4_0 with transposed V).
+// Usage: make_corpus <output dir> [<regressions dir>]. With a second directory it also
+// writes the quantized-block inputs of regressions/ there: states whose blocks carry an
+// inf or a NaN scale (they load: io/format.hpp, "Block elements"; the block reads back
+// inf / NaN) and a state cut inside its last block (refused).
+// The files in corpus/ and the quant_* files in regressions/ were made with it; run it
+// again after a format change.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -23,8 +28,8 @@ void write(const std::filesystem::path& dir, const std::string& name, const std:
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc != 2) {
-        std::fprintf(stderr, "usage: make_corpus <output dir>\n");
+    if (argc != 2 && argc != 3) {
+        std::fprintf(stderr, "usage: make_corpus <output dir> [<regressions dir>]\n");
         return 2;
     }
     const std::filesystem::path dir = argv[1];
@@ -88,6 +93,38 @@ int main(int argc, char** argv) {
     write(dir, "hyb_whole_truncated", cut(hyb_whole, hyb_whole.size() / 2));
     hyb.seq_rm(-1, -1, -1).value();
     write(dir, "hyb_empty_whole", kvcache::io::save_state(hyb));
+
+    // Quantized caches: valid seeds (whole, one sequence with tokens, pending shifts).
+    kvcache::kv_cache<kvcache::q8_0> q8(kvfuzz::shape_q());
+    kvfuzz::fill_baseline(q8);
+    write(dir, "q8_whole", kvcache::io::save_state(q8));
+    write(dir, "q8_seq0_tokens", kvcache::io::save_seq(q8, 0, tokens, media));
+    kvcache::kv_cache<kvcache::q4_0, kvcache::contiguous<kvcache::v_layout::transposed>> q4(kvfuzz::shape_q());
+    kvfuzz::fill_baseline(q4);
+    q4.seq_add(2, 1, -1, 3).value();
+    write(dir, "q4_whole_shifted", kvcache::io::save_state(q4));
+    write(dir, "q4_seq3", kvcache::io::save_seq(q4, 3));
+    if (argc == 3) {
+        const std::filesystem::path reg = argv[2];
+        std::filesystem::create_directories(reg);
+        // One block's scale set to a binary16 bit pattern (layer 0, head 1, the first used cell).
+        auto with_scale = [](auto& c, bool v_side, std::uint16_t bits) {
+            auto v = c.storage().view(0);
+            const std::uint32_t cell = *c.cells().used_cells().begin();
+            auto& blk = v_side ? v.v[v.v_unit(1, cell, 0)] : v.k[v.k_unit(1, cell, 0)];
+            const auto old = blk.d;
+            blk.d = static_cast<kvcache::half>(bits);
+            auto bytes = kvcache::io::save_state(c);
+            blk.d = old;
+            return bytes;
+        };
+        write(reg, "quant_q8_inf_scale_k", with_scale(q8, false, 0x7c00));   // +inf
+        write(reg, "quant_q8_nan_scale_v", with_scale(q8, true, 0x7e00));    // quiet NaN
+        write(reg, "quant_q4_nan_scale_k", with_scale(q4, false, 0xfe01));   // negative NaN, payload
+        write(reg, "quant_q4_negative_scale_v", with_scale(q4, true, 0xbc00));  // -1: a valid block
+        const auto whole = kvcache::io::save_state(q8);
+        write(reg, "quant_q8_truncated_block", cut(whole, whole.size() - 8 - 20));  // inside the last V block
+    }
 
     std::printf("make_corpus: wrote %s\n", dir.c_str());
     return 0;

@@ -48,6 +48,14 @@
 //                         rows in the cache's row order (NeoX pair order kept: the units
 //                         cannot be re-cut without re-quantizing), V rows of
 //                         head_dim_v / b units in dimension order.
+//                         Units are loaded as they are: every bit pattern is a block
+//                         (scales are not checked; the checksum covers them). A block
+//                         whose scale is NaN reads back NaN, one whose scale is +-inf
+//                         reads +-inf (NaN where its code is 0), as a NaN written into
+//                         the cache does (element/q8_0.hpp): the attention rows that
+//                         see the cell are NaN, never a silent finite value. A state
+//                         whose data ends inside a block is refused (sizes), the cache
+//                         unchanged.
 //   end-8  8     XXH3-64 of every byte before it
 //
 // Cells appear in the order of their cell index in the saved cache; the K/V of

@@ -249,6 +249,17 @@ TEST_CASE("stories260K: one token per eval on the contiguous layout, every case;
     }
 }
 
+TEST_CASE("stories260K: q8_0 / q4_0 K/V refused (head dim 8: blocks are 32 values of one head row)") {
+    // Quantized blocks hold 32 dimensions of one cell's head row (format/kv_view.hpp), so a
+    // model with 8-dimensional heads cannot use them: 0 of the greedy tokens are reproducible
+    // with q8_0 / q4_0 on this checkpoint; the cache says why instead of storing garbage.
+    const kvcache::model_shape s = demo::cache_shape_for(model().config, 64, 1);
+    REQUIRE(s.head_dim_k == 8);
+    CHECK_THROWS_WITH_AS(kvcache::kv_cache<kvcache::q8_0>{s}, doctest::Contains("head_dim_k = 8"), kvcache::error);
+    CHECK_THROWS_WITH_AS(kvcache::kv_cache<kvcache::q4_0>{s}, doctest::Contains("head_dim_k = 8"), kvcache::error);
+    MESSAGE("stories260K with q8_0 / q4_0 K/V: refused (head_dim 8 is not a multiple of 32), 0 greedy tokens");
+}
+
 TEST_CASE("stories260K: P2's logits are closer to a float64 forward pass than run.c's") {
     // The models' README: run.c computes RoPE angles in float, the engine in double. Both are
     // compared with tests/demo/reference_llama.hpp (float64, no cache) at every step of P2.
