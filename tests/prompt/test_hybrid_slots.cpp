@@ -238,3 +238,44 @@ TEST_CASE("recurrent_memory slots and apply_plan: exact prefix only, moves refus
     hyb_global_t mem = hybslot_make<hyb_global_t>(1);
     CHECK_THROWS_AS(static_cast<void>(reuse::apply_plan(mem, 0, moved)), kvcache::error);
 }
+
+TEST_CASE("hybrid slots: model-based random requests, every one compared with a cold computation") {
+    // Requests drawn from a few shared prefixes with random continuations, on two slots and
+    // the global cache, with random checkpoint boundaries and hosts that sometimes skip
+    // checkpoints. After each request: the slot's recurrent state equals a cold run
+    // (hybslot_run), the metrics add up, and a reuse below the slot's own tokens happened
+    // only through a restored checkpoint or a reported miss.
+    hyb_global_t mem = hybslot_make<hyb_global_t>(2);
+    kvcache::slot_manager<hyb_global_t> slots(
+        mem, {.n_slots = 2, .max_checkpoints = 3, .max_checkpoint_bytes = 64 << 10, .checkpoint_every = 8});
+    std::uint64_t rng = 12345;
+    auto next = [&](std::uint64_t n) {
+        rng = toy::mix(rng);
+        return rng % n;
+    };
+    const std::vector<prompt_tokens> stems = {toy::text(24, 1000), toy::text(24, 3000), toy::text(9, 5000)};
+    std::uint64_t restored = 0, lost = 0;
+    for (int step = 0; step < 40; ++step) {
+        CAPTURE(step);
+        prompt_tokens req = stems[next(stems.size())];
+        req.keep_first(1 + next(req.size()));
+        req.append(toy::text(next(12), static_cast<kvcache::token_t>(20000 + 100 * step)).tokens());
+        kvcache::request_options ro;
+        ro.slot_id = next(3) == 0 ? static_cast<int>(next(2)) : -1;
+        if (next(2) == 0) ro.checkpoint_at = {static_cast<std::uint32_t>(next(30)), static_cast<std::uint32_t>(next(30))};
+        const bool save = next(5) != 0;
+        const auto r = hybslot_run(slots, mem, req, ro, save);
+        for (std::size_t i = 1; i < r.checkpoints.size(); ++i) REQUIRE(r.checkpoints[i - 1] < r.checkpoints[i]);
+        for (std::uint32_t b : r.checkpoints) REQUIRE((b > r.n_past && b < r.n_request));
+        REQUIRE(slots.checkpoint_bytes(r.slot) <= std::size_t{64} << 10);
+        REQUIRE(slots.n_checkpoints(r.slot) <= 3);
+        restored += r.metrics.checkpoint_restored;
+        lost += r.metrics.miss == kvcache::miss_reason::no_checkpoint;
+    }
+    const auto m = slots.metrics();
+    CHECK(m.requests == 40);
+    CHECK(m.checkpoints_restored == restored);
+    CHECK(m.misses_for(kvcache::miss_reason::no_checkpoint) == lost);
+    CHECK(restored > 0);  // the draws exercise both paths
+    CHECK(lost > 0);
+}
