@@ -7,8 +7,10 @@
 
 #include <kvcache/kvcache.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "prompt/toy_model.hpp"
@@ -44,9 +46,21 @@ kvcache::model_shape hybslot_attn_shape(std::uint32_t n_seq) {
     s.n_seq_max = n_seq;
     return s;
 }
+using hyb_iswa_t = kvcache::hybrid_memory<kvcache::iswa_cache<8, kvcache::f32, reuse::global<>>>;
+const std::vector<bool> hybslot_iswa_layers = {true, false, true, false};  // recurrent, SWA, recurrent, full
+
 template <class M>
 M hybslot_make(std::uint32_t n_seq) {
-    return M(hybslot_attn_shape(n_seq), hybslot_rec_shape(n_seq), hybslot_layers);
+    if constexpr (std::is_same_v<M, hyb_iswa_t>) {
+        kvcache::iswa_shape is;
+        is.shape = hybslot_attn_shape(n_seq);
+        is.shape.n_layer = 2;
+        is.swa_layers = {true, false};
+        is.swa_n_cells = kvcache::ring<8>::cells_for(n_seq, 16);
+        return M(is, hybslot_rec_shape(n_seq), hybslot_iswa_layers);
+    } else {
+        return M(hybslot_attn_shape(n_seq), hybslot_rec_shape(n_seq), hybslot_layers);
+    }
 }
 
 /// A host engine's step over a hybrid memory: tokens [from, to) of p into seq, one batch.
@@ -64,9 +78,13 @@ void hybslot_fill(M& mem, seq_id_t seq, const prompt_tokens& p, std::size_t from
     for (std::size_t i = 0; i < pos.size(); ++i)
         for (std::size_t d = 0; d < 4; ++d)
             rows[i * 4 + d] = static_cast<float>(toy::unit(toy::mix(static_cast<std::uint64_t>(p[from + i]) * 7 + d + 100 * (from + i))));
-    mem.write_k(1, placed, rows.data());
-    mem.write_v(1, placed, rows.data());
-    for (std::uint32_t l : {0u, 2u}) {
+    for (std::uint32_t l = 0; l < mem.n_layer(); ++l)
+        if (!mem.is_recurrent(l)) {
+            mem.write_k(l, placed, rows.data());
+            mem.write_v(l, placed, rows.data());
+        }
+    for (std::uint32_t l = 0; l < mem.n_layer(); ++l) {
+        if (!mem.is_recurrent(l)) continue;
         auto conv = mem.conv_state(l, seq);
         auto ssm = mem.ssm_state(l, seq);
         for (std::size_t i = from; i < to; ++i) {
@@ -98,7 +116,7 @@ kvcache::prepared_request hybslot_run(Slots& slots, M& mem, const prompt_tokens&
     hybslot_fill(mem, p.seq, req, at, req.size());
     slots.commit_prompt(p.slot);
     M cold = hybslot_make<M>(mem.n_seq_max());
-    hybslot_fill(cold, 0, req, 0, req.size());
+    for (std::size_t i = 0; i < req.size(); i += 16) hybslot_fill(cold, 0, req, i, std::min(req.size(), i + 16));
     const auto got = mem.recurrent().seq_state(p.seq);
     const auto want = cold.recurrent().seq_state(0);
     REQUIRE(std::vector<float>(got.begin(), got.end()) == std::vector<float>(want.begin(), want.end()));
@@ -278,4 +296,19 @@ TEST_CASE("hybrid slots: model-based random requests, every one compared with a 
     CHECK(m.misses_for(kvcache::miss_reason::no_checkpoint) == lost);
     CHECK(restored > 0);  // the draws exercise both paths
     CHECK(lost > 0);
+}
+
+TEST_CASE("hybrid slots over an ISWA attention part: checkpoints hold the sliding-window layers too") {
+    hyb_iswa_t mem = hybslot_make<hyb_iswa_t>(2);
+    kvcache::slot_manager<hyb_iswa_t> slots(mem, {.n_slots = 1, .checkpoint_every = 16});
+    const prompt_tokens a = toy::text(40);
+    auto r = hybslot_run(slots, mem, a);
+    CHECK(mem.attention().window_pos_min(r.seq) > 0);  // the ring pruned positions below its window
+    r = hybslot_run(slots, mem, a);  // exact repeat: the checkpoint at 39 brings both parts back
+    CHECK(r.n_past == 39);
+    CHECK(r.metrics.checkpoint_restored);
+    r = hybslot_run(slots, mem, toy::cat(toy::text(20), toy::text(5, 600)));
+    CHECK(r.n_past == 16);
+    CHECK(r.metrics.miss == kvcache::miss_reason::no_checkpoint);
+    CHECK(r.metrics.checkpoint_restored);
 }
