@@ -44,6 +44,9 @@
 // checkpoint at or below the common prefix, else recomputes from 0; either way a lost
 // prefix is reported (miss reason no_checkpoint, request_metrics::checkpoint_restored),
 // never silently. Chunk reuse (F20) is off: a recurrent state summarises its tokens in order.
+// Over an ISWA attention part (hybrid_memory<iswa_cache<...>>) a checkpoint holds the
+// sliding-window layers too. A checkpoint's bytes grow with its position (the attention
+// part's K/V up to it): bound them with max_checkpoint_bytes.
 //
 // Thread safety: not thread-safe. A slot_manager, its prompt cache and the cache it works
 // on are one unit: call them from one thread at a time (one mutex around every call, const
