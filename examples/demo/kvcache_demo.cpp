@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <exception>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +26,7 @@
 #include <Eigen/Core>
 
 #include "cli.hpp"
+#include "hybrid.hpp"
 #include "engine/llama2c.hpp"
 #include "report.hpp"
 #include "scenarios.hpp"
@@ -119,7 +121,19 @@ int main(int argc, char** argv) {
     std::vector<demo::report::row> rows;
     std::vector<demo::report::check_result> checks;
     try {
-        if (o.ttft) {
+        if (o.hybrid) {
+            // A hybrid model of the same shape: attention every 4th layer, the reference
+            // recurrent layer elsewhere; its own TTFT scenarios replace the runs above.
+            if (!o.model.empty()) throw std::runtime_error("--hybrid uses random weights; it cannot load --model");
+            std::printf("\n== hybrid model: attention every 4th layer, recurrent layers elsewhere; TTFT through slots + "
+                        "checkpoints (base prompt %d tokens)\n", o.base_tokens);
+            const demo::hybrid::hybrid_weights hw = demo::hybrid::make_hybrid_model(w.config, 4, o.seed);
+            demo::scenarios::text_source text(tok, o.seed + 1);
+            demo::hybrid::hybrid_runner<demo::scenarios::text_source> runner(hw, text, static_cast<std::size_t>(o.base_tokens),
+                                                                          o.timing);
+            rows = runner.run();
+            for (const demo::report::row& x : rows) ok = ok && x.pass;
+        } else if (o.ttft) {
             std::printf("\n== TTFT through slots + global prompt cache (base prompt %d tokens)\n", o.base_tokens);
             // --cache-type: the K/V element of the served cache and of its cold verifier.
             auto run_with = [&]<class E>() { return demo::scenarios::basic_ttft_runner<E>(w, tok, o).run(); };
@@ -130,11 +144,11 @@ int main(int argc, char** argv) {
             else rows = run_with.template operator()<kvcache::f32>();
             for (const demo::report::row& x : rows) ok = ok && x.pass;
         }
-        if (o.context_shift) {
+        if (o.context_shift && !o.hybrid) {
             checks.push_back(demo::scenarios::run_context_shift(w, tok, o));
             ok = ok && checks.back().pass;
         }
-        if (o.self_extend) {
+        if (o.self_extend && !o.hybrid) {
             checks.push_back(demo::scenarios::run_self_extend(w, tok, o));
             ok = ok && checks.back().pass;
         }

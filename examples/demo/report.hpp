@@ -37,6 +37,9 @@ struct row {
     double max_abs_diff = -1;  ///< < 0: not checked
     bool argmax_match = true;
     bool pass = true;
+    /// Hybrid model rows (--hybrid): the slot's checkpoint bytes after the request; the JSON
+    /// row then also names the miss reason and whether a checkpoint was restored.
+    std::optional<std::size_t> checkpoint_bytes;
 };
 
 /// Outcome of the context-shift and Self-Extend runs, for the final summary and the JSON.
@@ -269,8 +272,12 @@ inline void write_json(std::ostream& out, const std::vector<row>& rows, const st
             .member("logits_max_abs_diff",
                     x.max_abs_diff >= 0 ? std::optional<double>(x.max_abs_diff) : std::optional<double>())
             .member("logits_argmax_match", x.argmax_match)
-            .member("logits_check_ok", x.check_ok)
-            .end_object();
+            .member("logits_check_ok", x.check_ok);
+        if (x.checkpoint_bytes)
+            j.member("miss_reason", std::string(kvcache::to_string(x.m.miss)))
+                .member("checkpoint_restored", x.m.checkpoint_restored)
+                .member("checkpoint_bytes_per_slot", *x.checkpoint_bytes);
+        j.end_object();
     }
     j.end_array();
     j.key("checks").begin_array(true);

@@ -612,6 +612,23 @@ void rec_sweep_all() {
              return describe(io::load_seq(m, 3, bytes));
          }},
         {"save_state", [](M& m) { return std::to_string(io::save_state(m).size()); }},
+        {"reuse::apply_plan keeping all of a sequence (slot prefix reuse)", [](M& m) {
+             reuse::plan p;
+             p.n_request = 40;
+             p.n_past = p.n_lcp = static_cast<std::uint32_t>(m.seq_pos_max(0) + 1);
+             return describe(reuse::apply_plan(m, 0, p));
+         }},
+        {"reuse::apply_plan cutting a sequence (refused by history)", [](M& m) {
+             reuse::plan p;
+             p.n_request = 40;
+             p.n_past = p.n_lcp = 3;
+             return describe(reuse::apply_plan(m, 0, p));
+         }},
+        {"reuse::apply_plan n_past 0 (recompute: sequence cleared)", [](M& m) {
+             reuse::plan p;
+             p.n_request = 40;
+             return describe(reuse::apply_plan(m, 1, p));
+         }},
         {"take_checkpoint", [](M& m) {
              const recurrent_checkpoint cp = rec_part(m).take_checkpoint(1);
              return std::to_string(cp.state.size()) + " " + std::to_string(cp.pos_max);

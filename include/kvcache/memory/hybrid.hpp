@@ -26,8 +26,14 @@
 // memory's (both parts hold the same positions).
 //
 // State files: io/hybrid.hpp (io::save_state / load_state / save_seq / load_seq, both
-// parts or neither). Not yet: ops:: entry points (call them on attention()) and
-// slot_manager checkpoints of the recurrent part (issue 28).
+// parts or neither). ops:: entry points: call them on attention().
+//
+// Prefix reuse (slot_manager): the reuse policy is the attention memory's, without chunk
+// moves (a recurrent state summarises its tokens in order: chunk reuse, F20, is off).
+// reuse::apply_plan below keeps a prefix only when the recurrent part holds exactly it;
+// slot_manager resumes from a checkpoint (the whole sequence's io::save_seq bytes, both
+// parts) taken at or below the common prefix, else recomputes from 0, and says which
+// (request_metrics::checkpoint_restored, miss reason no_checkpoint).
 #pragma once
 
 #include <concepts>  // std::constructible_from, std::same_as
@@ -66,6 +72,8 @@ public:
     using placement_type = hybrid_placement<typename Attention::placement_type>;
     /// Positions may move when the attention memory allows it (recurrent states always do).
     static constexpr bool can_shift = Attention::can_shift;
+    /// Reuse policy of slot_manager: the attention memory's (never with chunk moves).
+    using reuse = typename Attention::reuse;
 
     /// attention_shape builds the attention memory (a model_shape for kv_cache, an
     /// iswa_shape for iswa_cache) whose n_layer counts the attention layers only;
@@ -218,10 +226,13 @@ private:
         });
     }
     std::uint32_t check_layer(const char* fn, std::uint32_t l) const {
-        if (l >= map_.size())
-            detail::fail(errc::invalid_argument, std::string(fn) + ": layer = " + std::to_string(l) +
-                                                     ", must be < n_layer = " + std::to_string(map_.size()));
+        if (l >= map_.size()) bad_layer(fn, l, map_.size());
         return l;
+    }
+    /// Out of line: GCC 12 reports a false -Warray-bounds on the message when inlined.
+    [[noreturn]] [[gnu::noinline]] [[gnu::cold]] static void bad_layer(const char* fn, std::uint32_t l, std::size_t n) {
+        detail::fail(errc::invalid_argument,
+                     std::string(fn) + ": layer = " + std::to_string(l) + ", must be < n_layer = " + std::to_string(n));
     }
     std::uint32_t recurrent_layer(const char* fn, std::uint32_t l) const {
         const auto [rec, local] = map_.at(check_layer(fn, l));
@@ -262,5 +273,21 @@ private:
     recurrent_memory rec_;
     std::vector<std::pair<bool, std::uint32_t>> map_;  // per model layer: (is recurrent, index in its memory)
 };
+
+namespace reuse {
+/// reuse::apply_plan on a hybrid_memory: keeps positions [0, n_past) of seq in both parts
+/// (seq_rm of the rest), which the recurrent part allows only when it holds exactly
+/// [0, n_past) or n_past is 0: otherwise refused (errc::unsupported, refused by history),
+/// neither part changed. Throws invalid_argument (bad seq, a plan with chunk moves: chunk
+/// reuse is off for recurrent layers) or transaction_open.
+template <class A>
+[[nodiscard]] result<void> apply_plan(hybrid_memory<A>& mem, seq_id_t seq, const plan& p) {
+    check_apply_args(seq, mem.n_seq_max(), mem.in_transaction(), p);
+    if (!p.moves.empty())
+        detail::fail(errc::invalid_argument, "apply_plan: the plan moves chunks, but chunk reuse is off for the "
+                                             "recurrent layers of a hybrid memory");
+    return mem.seq_rm(seq, static_cast<pos_t>(p.n_past), -1);
+}
+}  // namespace reuse
 
 KVCACHE_END_NAMESPACE

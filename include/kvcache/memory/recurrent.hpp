@@ -51,7 +51,14 @@
 //
 // State files: io/recurrent.hpp (io::save_state / load_state / save_seq / load_seq
 // overloads for recurrent_memory). Checkpoints for prefix reuse: take_checkpoint /
-// restore_checkpoint below (slot_manager keeps them; see issue 28).
+// restore_checkpoint below (hooks for hosts and tests). slot_manager (prompt/slots.hpp)
+// keeps its own checkpoints of a slot's whole sequence (the io::save_seq bytes, kept by
+// state_store and saved with the global prompt-cache entry) at the positions its options
+// ask for, and prepare() resumes from the newest one at or below the common prefix.
+// Prefix reuse is exact-prefix only (reuse policy reuse::lcp, or the attention part's
+// for hybrid_memory, without chunk moves): a recurrent state summarises its tokens in
+// order, so chunks cannot be moved into place (chunk reuse, F20, is off); reuse::apply_plan
+// below truncates nothing it would have to roll back.
 #pragma once
 
 #include <algorithm>  // std::fill, std::copy
@@ -65,6 +72,8 @@
 #include "../detail/policy_select.hpp"
 #include "../error.hpp"
 #include "../model_shape.hpp"
+#include "../reuse/lcp.hpp"
+#include "../reuse/plan.hpp"
 #include "memory.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -127,6 +136,8 @@ public:
     using placement_type = recurrent_placement;
     /// Moving positions relabels a state's interval (no RoPE): always allowed.
     static constexpr bool can_shift = true;
+    /// Reuse policy of slot_manager: exact prefix (no chunk moves; see the file comment).
+    using reuse = ::kvcache::reuse::lcp;
 
     /// Allocates and zeroes every state. Throws kvcache::error(invalid_config) naming a bad field.
     explicit recurrent_memory(const recurrent_shape& s)
@@ -540,5 +551,20 @@ private:
 };
 
 static_assert(memory<recurrent_memory>, "kvcache: recurrent_memory must satisfy kvcache::memory");
+
+namespace reuse {
+/// reuse::apply_plan on a recurrent_memory: keeps positions [0, n_past) of seq, which only
+/// works when that is all of them or none (n_past 0 clears it): otherwise refused with
+/// errc::unsupported (refused by history), nothing changed. slot_manager first resumes
+/// from a checkpoint at n_past. Throws invalid_argument (bad seq, a plan with chunk moves:
+/// chunk reuse is off for recurrent states) or transaction_open.
+[[nodiscard]] inline result<void> apply_plan(recurrent_memory& mem, seq_id_t seq, const plan& p) {
+    check_apply_args(seq, mem.n_seq_max(), mem.in_transaction(), p);
+    if (!p.moves.empty())
+        detail::fail(errc::invalid_argument, "apply_plan: the plan moves chunks, but chunk reuse is off for recurrent "
+                                             "states (their tokens cannot be reordered)");
+    return mem.seq_rm(seq, static_cast<pos_t>(p.n_past), -1);
+}
+}  // namespace reuse
 
 KVCACHE_END_NAMESPACE

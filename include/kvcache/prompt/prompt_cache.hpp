@@ -55,7 +55,10 @@
 
 KVCACHE_BEGIN_NAMESPACE
 
-/// State of a sliding-window sequence after processing positions up to pos_max (F23).
+/// State of a sequence after processing positions up to pos_max: a sliding-window
+/// sequence (F23) or a recurrent / hybrid memory's sequence (its recurrent state cannot be
+/// rolled back, so prefix reuse resumes from such a checkpoint). Kept by the entry store
+/// (state_store: the io::save_seq bytes of every part of the sequence).
 template <class Handle>
 struct swa_checkpoint {
     pos_t pos_min = 0;  ///< smallest position the saved state holds
@@ -82,9 +85,13 @@ enum class miss_reason : std::uint8_t {
     salt,         ///< another tenant's state matched more (never reused across salts)
     media,        ///< the reuse stopped at a media chunk (a different or partially matching one)
     evicted,      ///< an entry evicted earlier would have matched more
+    /// a recurrent state (recurrent_memory, hybrid_memory) cannot be rolled back to the common
+    /// prefix and no checkpoint at it was kept: resumed from the newest checkpoint below it,
+    /// or recomputed from 0 (request_metrics::checkpoint_restored says which)
+    no_checkpoint,
 };
 /// Number of miss_reason values (none included).
-inline constexpr std::size_t n_miss_reasons = 7;
+inline constexpr std::size_t n_miss_reasons = 8;
 /// Stable name of a reason (Prometheus label value).
 constexpr const char* to_string(miss_reason r) noexcept {
     switch (r) {
@@ -95,6 +102,7 @@ constexpr const char* to_string(miss_reason r) noexcept {
         case miss_reason::salt: return "salt";
         case miss_reason::media: return "media";
         case miss_reason::evicted: return "evicted";
+        case miss_reason::no_checkpoint: return "no_checkpoint";
     }
     return "?";
 }
@@ -117,6 +125,9 @@ struct prefix_cache_metrics {
     std::uint64_t slot_states_invalidated = 0;  ///< slot states dropped because their cells changed
     std::uint64_t slot_states_evicted = 0;  ///< idle slot states dropped to make room for a request (blocks on paged)
     std::uint64_t room_refused = 0;         ///< requests that did not fit even with every idle state and entry evicted
+    std::uint64_t checkpoints_saved = 0;     ///< checkpoints taken (slot_manager::save_checkpoint, F23 and recurrent)
+    std::uint64_t checkpoints_dropped = 0;   ///< checkpoints dropped by a slot's max_checkpoints / max_checkpoint_bytes
+    std::uint64_t checkpoints_restored = 0;  ///< requests that resumed from a checkpoint
     // --- global prompt cache entries ---
     std::uint64_t queries = 0;       ///< lookups of the global cache
     std::uint64_t hits = 0;          ///< entries loaded into a slot
@@ -236,6 +247,12 @@ inline std::string to_prometheus(const prefix_cache_metrics& m, std::string_view
         m.slot_states_evicted);
     one("prefix_cache_room_refused_total", "counter",
         "Requests that did not fit even with every idle slot state and prompt cache entry evicted.", m.room_refused);
+    one("prefix_cache_checkpoints_saved_total", "counter", "Checkpoints taken (sliding-window or recurrent state).",
+        m.checkpoints_saved);
+    one("prefix_cache_checkpoints_dropped_total", "counter",
+        "Checkpoints dropped by the per-slot number or byte limit, oldest first.", m.checkpoints_dropped);
+    one("prefix_cache_checkpoints_restored_total", "counter", "Requests that resumed from a checkpoint.",
+        m.checkpoints_restored);
     one("prompt_cache_lookups_total", "counter", "Lookups of the global prompt cache.", m.queries);
     one("prompt_cache_loads_total", "counter", "Global prompt cache entries loaded into a slot.", m.hits);
     one("prompt_cache_load_failures_total", "counter", "Selected entries whose load failed.", m.load_failures);

@@ -39,6 +39,23 @@
 // slot's tokens are what its sequence holds (the slot being prepared forgets its tokens,
 // so the next prepare recomputes) and every global entry is intact or gone.
 //
+// Recurrent and hybrid memories (recurrent_memory, hybrid_memory<A>): a recurrent state
+// cannot be rolled back, so a prefix shorter than what the slot (or entry) holds is served
+// from a checkpoint: the sequence's whole state (state_store: io::save_seq bytes of both
+// parts) saved by save_checkpoint while the host computes a prompt. prepare() lists where
+// the host should save them (prepared_request::checkpoints: every checkpoint_every
+// positions, checkpoint_tail positions before the prompt end, and at request_options::
+// checkpoint_at boundaries such as user-message starts, like llama-server's
+// --ctx-checkpoints); a slot keeps at most max_checkpoints of them and
+// max_checkpoint_bytes (oldest dropped first, counted: checkpoints_dropped), and they are
+// saved with the slot's global prompt-cache entry. prepare() resumes from the newest
+// checkpoint at or below the common prefix, else recomputes from 0; either way a lost
+// prefix is reported (miss reason no_checkpoint, request_metrics::checkpoint_restored),
+// never silently. Chunk reuse (F20) is off: a recurrent state summarises its tokens in order.
+// Over an ISWA attention part (hybrid_memory<iswa_cache<...>>) a checkpoint holds the
+// sliding-window layers too. A checkpoint's bytes grow with its position (the attention
+// part's K/V up to it): bound them with max_checkpoint_bytes.
+//
 // Thread safety: not thread-safe. A slot_manager, its prompt cache and the cache it works
 // on are one unit: call them from one thread at a time (one mutex around every call, const
 // calls included). The host's own computation between prepare and commit_prompt may run
@@ -59,11 +76,16 @@
 
 #include "../error.hpp"
 #include "../layout/capabilities.hpp"
+#include "../ops/hybrid.hpp"
 #include "../ops/kshift.hpp"
 #include "../concepts.hpp"
 #include "../reuse/global.hpp"
 #include "../reuse/plan.hpp"
+#include "../io/hybrid.hpp"
+#include "../io/recurrent.hpp"
+#include "../memory/hybrid.hpp"
 #include "../memory/iswa_cache.hpp"
+#include "../memory/recurrent.hpp"
 #include "../memory/memory.hpp"
 #include "entry_store.hpp"
 #include "prompt_cache.hpp"
@@ -82,6 +104,15 @@ struct slot_options {
     /// value than it is refused.
     std::uint32_t n_swa = 0;
     std::uint32_t max_checkpoints = 8;  ///< F23: checkpoints kept per slot (oldest dropped)
+    /// Bytes of checkpoints kept per slot (store bytes; 0: no limit). Oldest dropped first;
+    /// the newest checkpoint is always kept.
+    std::size_t max_checkpoint_bytes = 0;
+    /// Checkpoint schedule (prepared_request::checkpoints; sliding-window and recurrent
+    /// memories only): every checkpoint_every prompt positions (0: none) ...
+    std::uint32_t checkpoint_every = 0;
+    /// ... and checkpoint_tail positions before the prompt end (0: none; 1 lets an exact
+    /// repeat of the prompt resume one token before its end).
+    std::uint32_t checkpoint_tail = 1;
     prompt_cache_limits cache_limits{};  ///< F21: limits of the global prompt cache (reuse::global only)
     bool apply_k_shift = true;        ///< F20: rotate moved K in prepare (else the host calls ops::apply_k_shift)
     int n_threads = 0;                ///< threads of that K-shift (<= 0: OpenMP default)
@@ -94,6 +125,9 @@ struct request_options {
     std::uint64_t salt = 0;    ///< tenant namespace: state is never reused across salts
     std::int32_t priority = 0;  ///< priority of the entry saved on release (reuse::evict_priority)
     bool pin = false;          ///< the entry saved on release is never evicted
+    /// Extra checkpoint boundaries (prefix lengths, e.g. where each user message starts) for
+    /// prepared_request::checkpoints (sliding-window and recurrent memories only).
+    std::vector<std::uint32_t> checkpoint_at{};
 };
 
 /// Where a request's tokens came from (vLLM's meaning: query_tokens = n_request, hit_tokens
@@ -104,7 +138,7 @@ struct request_metrics {
     std::uint32_t from_global = 0;  ///< exact prefix kept from a global prompt cache entry
     std::uint32_t from_shift = 0;   ///< approximate: moved into place by chunk shifting
     std::uint32_t computed = 0;     ///< the host must compute these
-    bool checkpoint_restored = false;  ///< an SWA checkpoint was loaded (F23)
+    bool checkpoint_restored = false;  ///< a checkpoint (SWA, F23, or recurrent state) was loaded
     miss_reason miss = miss_reason::none;  ///< why less was reused than could have been (none: nothing lost)
     /// Tokens reused (not computed).
     [[nodiscard]] std::uint32_t hit_tokens() const noexcept { return from_slot + from_global + from_shift; }
@@ -118,6 +152,10 @@ struct prepared_request {
     std::uint32_t n_request = 0;  ///< compute request positions [n_past, n_request)
     reuse::plan plan;          ///< the reuse plan that was applied
     bool k_shift_pending = false;  ///< chunks moved: rotate K (ops::apply_k_shift) before attention
+    /// Prefix lengths b in (n_past, n_request), increasing, after which the host should call
+    /// save_checkpoint(slot) (having computed exactly positions [0, b)); empty unless the
+    /// memory needs checkpoints (a sliding window, recurrent layers). See slot_options.
+    std::vector<std::uint32_t> checkpoints;
     request_metrics metrics;
 };
 
@@ -125,7 +163,8 @@ struct prepared_request {
 /// for one K/V cache, state_store (io state bytes, validated on load) for a composite
 /// memory such as iswa_cache.
 template <class Cache>
-using default_entry_store = std::conditional_t<composite_memory<Cache>, state_store<Cache>, copy_store<Cache>>;
+using default_entry_store =
+    std::conditional_t<composite_memory<Cache> || !kv_memory<Cache>, state_store<Cache>, copy_store<Cache>>;
 
 /// Slots over one memory (kv_cache, or iswa_cache, whose sliding-window part takes its
 /// SWA checkpoints from iswa_cache::window), with the reuse policy of Cache and, for
@@ -189,6 +228,16 @@ public:
     [[nodiscard]] const prompt_tokens& tokens(int slot) const { return slots_[check_slot("tokens", slot)].tokens; }
     [[nodiscard]] bool busy(int slot) const { return slots_[check_slot("busy", slot)].busy; }
     [[nodiscard]] std::size_t n_checkpoints(int slot) const { return slots_[check_slot("n_checkpoints", slot)].checkpoints.size(); }
+    /// Store bytes of the slot's checkpoints (bounded by slot_options::max_checkpoint_bytes).
+    [[nodiscard]] std::size_t checkpoint_bytes(int slot) {
+        std::size_t n = 0;
+        for (const auto& ck : slots_[check_slot("checkpoint_bytes", slot)].checkpoints) n += store().bytes(*cache_, ck.state);
+        return n;
+    }
+    /// Whether the cache holds recurrent states (recurrent_memory, hybrid_memory): prefix
+    /// reuse below what a slot holds needs a checkpoint.
+    static constexpr bool has_recurrent_state =
+        std::same_as<Cache, recurrent_memory> || requires(const Cache& c) { c.recurrent(); };
     /// Whether the reuse policy keeps a global prompt cache.
     static constexpr bool has_global_cache = uses_global;
     /// The reuse policy object whose plan() decides what prepare() reuses (default constructed).
@@ -212,6 +261,9 @@ public:
         m.slot_states_invalidated = counters_.slot_states_invalidated;
         m.slot_states_evicted = counters_.slot_states_evicted;
         m.room_refused = counters_.room_refused;
+        m.checkpoints_saved = counters_.checkpoints_saved;
+        m.checkpoints_dropped = counters_.checkpoints_dropped;
+        m.checkpoints_restored = counters_.checkpoints_restored;
         return m;
     }
 
@@ -291,7 +343,7 @@ public:
         }
         reuse::plan_options po;
         po.cache_prompt = reuse_on;
-        po.can_shift = Cache::can_shift && opt_.n_swa == 0;  // F23: no moves under a window
+        po.can_shift = Cache::can_shift && opt_.n_swa == 0 && !has_recurrent_state;  // F23: no moves under a window
         auto make_plan = [&](const prompt_tokens& from) {
             reuse::plan p;
             p.n_request = out.n_request;
@@ -348,7 +400,8 @@ public:
             }
         }
         const std::uint32_t planned = plan.n_past;
-        if (opt_.n_swa > 0 && plan.n_past > 0) plan = swa_adjust(s, seq, request, plan, out.metrics);
+        if ((opt_.n_swa > 0 || has_recurrent_state) && plan.n_past > 0)
+            plan = checkpoint_adjust(s, seq, request, plan, out.metrics);
         const bool swa_cut = plan.n_past < planned;
         if (!reuse::apply_plan(*cache_, seq, plan)) {  // refused, nothing changed: recompute everything
             drop_state(s, seq);
@@ -356,7 +409,7 @@ public:
             plan.n_request = out.n_request;
             reuse::apply_plan(*cache_, seq, plan).value();  // an empty sequence: never refused
         }
-        if constexpr (Cache::can_shift)
+        if constexpr (Cache::can_shift && !std::same_as<Cache, recurrent_memory>)  // a state has no K to rotate
             if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
         // The reuse stopped at a media position of both the request and its source.
         const bool media_stop = plan.n_past < source->size() && (*source)[plan.n_past] == null_token &&
@@ -369,6 +422,7 @@ public:
             return true;
         });
         make_room(plan.n_compute(), id);
+        if (opt_.n_swa > 0 || has_recurrent_state) out.checkpoints = checkpoint_schedule(request, plan.n_past, ro);
 
         const std::uint32_t kept = plan.n_past - plan.n_shifted();
         (from_global ? out.metrics.from_global : out.metrics.from_slot) = kept;
@@ -425,20 +479,40 @@ public:
         s.generation = detail::seq_fingerprint(*cache_, opt_.first_seq + slot_id);
     }
 
-    /// Saves the slot's sliding-window state at its current positions (F23); the oldest
-    /// checkpoint is dropped beyond max_checkpoints. Returns the store's error result (e.g.
-    /// no_space) when it refuses, nothing changed.
+    /// Saves the slot's state at its current positions: a sliding-window state (F23) or a
+    /// recurrent / hybrid memory's sequence (see the file comment; call it at the positions
+    /// prepared_request::checkpoints lists). A checkpoint at a position the slot already
+    /// has one for replaces it. The oldest checkpoints are dropped beyond max_checkpoints
+    /// and max_checkpoint_bytes (never the new one; counted: checkpoints_dropped). Returns
+    /// the store's error result (e.g. no_space) when it refuses, nothing changed. Throws
+    /// invalid_argument (bad slot) or transaction_open (placements staged).
     [[nodiscard]] result<void> save_checkpoint(int slot_id) {
         slot& s = slots_[check_slot("save_checkpoint", slot_id)];
+        if (cache_->in_transaction())
+            detail::fail(errc::transaction_open, "slot_manager::save_checkpoint: placements are staged; commit() or restore() first");
         const seq_id_t seq = opt_.first_seq + slot_id;
         if (cache_->seq_pos_max(seq) < 0) return {};
+        const pos_t mx = cache_->seq_pos_max(seq);
         s.checkpoints.reserve(s.checkpoints.size() + 1);  // push_back below cannot throw after the save
         auto h = store().save(*cache_, seq);
         if (!h) return detail::make_error(h.code(), "slot_manager::save_checkpoint: " + h.message());
-        s.checkpoints.push_back({window_pos_min(seq), cache_->seq_pos_max(seq), std::move(h).value()});
-        while (s.checkpoints.size() > std::max<std::uint32_t>(1, opt_.max_checkpoints)) {
+        s.checkpoints.push_back({window_pos_min(seq), mx, std::move(h).value()});
+        ++counters_.checkpoints_saved;
+        // Keep pos_max increasing: a checkpoint at or beyond this one is older news.
+        std::erase_if(s.checkpoints, [&](checkpoint& ck) {
+            if (&ck == &s.checkpoints.back() || ck.pos_max < mx) return false;
+            store().release(*cache_, ck.state);
+            return true;
+        });
+        auto over = [&] {
+            if (s.checkpoints.size() <= 1) return false;
+            if (s.checkpoints.size() > std::max<std::uint32_t>(1, opt_.max_checkpoints)) return true;
+            return opt_.max_checkpoint_bytes > 0 && checkpoint_bytes(slot_id) > opt_.max_checkpoint_bytes;
+        };
+        while (over()) {
             store().release(*cache_, s.checkpoints.front().state);
             s.checkpoints.erase(s.checkpoints.begin());
+            ++counters_.checkpoints_dropped;
         }
         return {};
     }
@@ -648,7 +722,7 @@ private:
         auto lost = [&](std::size_t could) { return std::min(could, cap) > n_past; };
         if (load_failed) return miss_reason::load_failed;
         if (lost(lost_invalid)) return miss_reason::invalidated;
-        if (swa_cut) return miss_reason::swa;
+        if (swa_cut) return has_recurrent_state && opt_.n_swa == 0 ? miss_reason::no_checkpoint : miss_reason::swa;
         if (lost(lost_salt)) return miss_reason::salt;
         if (n_past < cap && media_stop) return miss_reason::media;
         if constexpr (uses_global)
@@ -665,14 +739,18 @@ private:
         counters_.hit_tokens_global += m.from_global;
         counters_.hit_tokens_shifted += m.from_shift;
         if (m.miss != miss_reason::none) ++counters_.misses[static_cast<std::size_t>(m.miss)];
+        if (m.checkpoint_restored) ++counters_.checkpoints_restored;
     }
 
-    /// F23: a sliding-window sequence cannot re-enter a prefix whose window was overwritten.
-    /// Continue from the newest checkpoint below n_past, or recompute everything.
-    reuse::plan swa_adjust(slot& s, seq_id_t seq, const prompt_tokens& request, const reuse::plan& p,
-                           request_metrics& m) {
+    /// F23: a sliding-window sequence cannot re-enter a prefix whose window was overwritten,
+    /// and a recurrent state cannot be rolled back below its last position. Continue from
+    /// the newest checkpoint at or below n_past, or recompute everything.
+    reuse::plan checkpoint_adjust(slot& s, seq_id_t seq, const prompt_tokens& request, const reuse::plan& p,
+                                  request_metrics& m) {
         const std::int64_t thold = std::max<std::int64_t>(0, std::int64_t{p.n_past} - opt_.n_swa);
-        if (window_pos_min(seq) <= thold) return p;
+        const bool window_ok = opt_.n_swa == 0 || window_pos_min(seq) <= thold;
+        const bool state_ok = !has_recurrent_state || cache_->seq_pos_max(seq) < static_cast<pos_t>(p.n_past);
+        if (window_ok && state_ok) return p;
         reuse::plan q;
         q.n_request = p.n_request;
         for (auto it = s.checkpoints.rbegin(); it != s.checkpoints.rend(); ++it) {
@@ -687,6 +765,25 @@ private:
         }
         cache_->seq_rm(seq, -1, -1).value();
         return q;
+    }
+
+    /// Where the host should save checkpoints while it computes request positions
+    /// [n_past, n_request): see prepared_request::checkpoints.
+    std::vector<std::uint32_t> checkpoint_schedule(const prompt_tokens& request, std::uint32_t n_past,
+                                                   const request_options& ro) const {
+        const auto n = static_cast<std::uint32_t>(request.size());
+        std::vector<std::uint32_t> out;
+        auto add = [&](std::uint64_t b) {
+            if (b > n_past && b < n && !request.cuts_chunk(static_cast<std::size_t>(b)))
+                out.push_back(static_cast<std::uint32_t>(b));
+        };
+        if (opt_.checkpoint_every > 0)
+            for (std::uint64_t b = opt_.checkpoint_every; b < n; b += opt_.checkpoint_every) add(b);
+        if (opt_.checkpoint_tail > 0 && opt_.checkpoint_tail < n) add(n - opt_.checkpoint_tail);
+        for (std::uint32_t b : ro.checkpoint_at) add(b);
+        std::sort(out.begin(), out.end());
+        out.erase(std::unique(out.begin(), out.end()), out.end());
+        return out;
     }
 
     /// Makes room for the n positions the host computes next into the sequence of slot
