@@ -159,3 +159,47 @@ TEST_CASE("tier_cache: misses leave the memory unchanged; bad arguments throw") 
     CHECK_THROWS_AS(static_cast<void>(tier::to_prometheus(tc.metrics(), "svc", badlab)), kvcache::error);
 }
 }
+
+TEST_SUITE("tier_cache") {
+TEST_CASE("tier_cache under slot_manager: publish on release, fetch_longer after prepare in a fresh process") {
+    const std::string dir = tiertest::tier_scratch_dir("slots");
+    using one_disk = tier::tier_cache<tiertest::tier_kv, tier::disk_tier>;
+    const prompt_tokens req = tiertest::tier_prompt(80, 44);
+    {  // "Process A": computes the request, publishes it before releasing the slot.
+        tiertest::tier_kv a(tiertest::tier_shape());
+        slot_manager<tiertest::tier_kv> slots(a, {.n_slots = 2});
+        one_disk tc({.block_tokens = 32}, tier::disk_tier(dir, {.sync = false}));
+        const auto p = slots.prepare(req).value();
+        CHECK(p.n_past == 0);
+        tiertest::tier_fill(a, p.seq, 80, 44, p.n_past);
+        slots.commit_prompt(p.slot);
+        CHECK(tc.publish(a, p.seq, slots.tokens(p.slot)).stored);
+        slots.release(p.slot);
+    }
+    // "Process B": a fresh cache and slot manager; the slot has nothing, the disk has 79.
+    tiertest::tier_kv b(tiertest::tier_shape());
+    slot_manager<tiertest::tier_kv> slots(b, {.n_slots = 2});
+    one_disk tc({.block_tokens = 32}, tier::disk_tier(dir, {.sync = false}));
+    const auto p = slots.prepare(req).value();
+    REQUIRE(p.n_past == 0);
+    const std::uint32_t n = tc.fetch_longer(b, p.seq, p.n_past, req, 3, 0, req.size() - 1);
+    CHECK(n == 79);  // the last position is computed (its logits are needed)
+    CHECK(b.seq_pos_max(3) < 0);
+    tiertest::tier_fill(b, p.seq, 80, 44, n);
+    slots.commit_prompt(p.slot);
+    tiertest::tier_kv ref(tiertest::tier_shape());
+    tiertest::tier_fill(ref, p.seq, 80, 44);
+    CHECK(tiertest::tier_seq_bytes(b, p.seq) == tiertest::tier_seq_bytes(ref, p.seq));
+    slots.release(p.slot);
+    // reuse::none (the cache's policy) keeps nothing of the slot: the tiers serve again.
+    const auto q = slots.prepare(req).value();
+    CHECK(q.n_past == 0);
+    CHECK(tc.fetch_longer(b, q.seq, q.n_past, req, 3, 0, req.size() - 1) == 79);
+    CHECK(b.seq_pos_max(q.seq) == 78);
+    // Nothing longer than what the sequence holds: it keeps its positions.
+    CHECK(tc.fetch_longer(b, q.seq, 79, req, 3, 0, 60) == 79);
+    CHECK(b.seq_pos_max(q.seq) == 78);
+    CHECK_THROWS_AS(static_cast<void>(tc.fetch_longer(b, q.seq, 5, req, 3)), kvcache::error);
+    tiertest::tier_remove_dir(dir);
+}
+}

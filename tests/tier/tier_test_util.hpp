@@ -28,22 +28,24 @@ inline kvcache::model_shape tier_shape(std::uint32_t n_layer = 2) {
     return s;
 }
 
-/// Places positions [0, n) of the empty sequence s with K/V derived from (seed, position).
-inline void tier_fill(tier_kv& c, seq_id_t s, std::uint32_t n, std::uint32_t seed) {
-    std::vector<pos_t> pos(n);
-    std::vector<seq_id_t> seq(n, s);
-    for (std::uint32_t i = 0; i < n; ++i) pos[i] = static_cast<pos_t>(i);
+/// Places positions [from, n) of sequence s (holding [0, from) already) with K/V derived
+/// from (seed, position): the same values whatever `from` is.
+inline void tier_fill(tier_kv& c, seq_id_t s, std::uint32_t n, std::uint32_t seed, std::uint32_t from = 0) {
+    std::vector<pos_t> pos;
+    for (std::uint32_t i = from; i < n; ++i) pos.push_back(static_cast<pos_t>(i));
+    std::vector<seq_id_t> seq(pos.size(), s);
     auto r = c.place(pos, seq);
     REQUIRE(r);
     const auto& sh = c.shape();
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-    std::vector<float> k(n * sh.k_row_size()), v(n * sh.v_row_size());
+    const std::size_t kr = sh.k_row_size(), vr = sh.v_row_size();
+    std::vector<float> k(n * kr), v(n * vr);
     for (std::uint32_t l = 0; l < sh.n_layer; ++l) {
         for (auto& x : k) x = u(rng);
         for (auto& x : v) x = u(rng);
-        c.write_k(l, r.value().cells, k.data());
-        c.write_v(l, r.value().cells, v.data());
+        c.write_k(l, r.value().cells, k.data() + from * kr);
+        c.write_v(l, r.value().cells, v.data() + from * vr);
     }
     static_cast<void>(c.commit());
 }

@@ -304,6 +304,30 @@ public:
         return {};
     }
 
+    /// The host hook under a slot manager: sequence seq holds the first have_n positions of
+    /// `request` (what slot_manager::prepare kept). Fetches the request into the empty
+    /// sequence `scratch` (reserved by the host, never a slot's) and, when the tiers give
+    /// more than have_n positions, makes seq hold those instead (seq_rm, seq_cp from scratch);
+    /// scratch is empty again afterwards. Returns the positions seq holds: compute the request
+    /// from there, then commit_prompt. On a miss or a shorter hit seq keeps its have_n
+    /// positions; a layout refusing the copy (seq_cp) leaves seq empty (returns 0). Throws as fetch() (scratch not empty), and
+    /// invalid_argument when seq does not end at have_n - 1.
+    std::uint32_t fetch_longer(Memory& mem, seq_id_t seq, std::uint32_t have_n, const prompt_tokens& request,
+                               seq_id_t scratch, std::uint64_t salt = 0, std::size_t max_tokens = SIZE_MAX) {
+        if (static_cast<std::int64_t>(mem.seq_pos_max(seq)) + 1 != static_cast<std::int64_t>(have_n))
+            kvcache::detail::fail(errc::invalid_argument, "tier_cache::fetch_longer: sequence " + std::to_string(seq) +
+                                                              " ends at " + std::to_string(mem.seq_pos_max(seq)) +
+                                                              ", have_n = " + std::to_string(have_n));
+        const fetch_info f = fetch(mem, scratch, request, salt, max_tokens);
+        std::uint32_t out = have_n;
+        if (f.n_tokens > have_n) {
+            static_cast<void>(mem.seq_rm(seq, -1, -1));  // the whole sequence: never refused
+            out = mem.seq_cp(scratch, seq, -1, -1) ? f.n_tokens : 0;
+        }
+        static_cast<void>(mem.seq_rm(scratch, -1, -1));
+        return out;
+    }
+
     /// Counters, with each tier's bytes() now.
     [[nodiscard]] tier_cache_metrics metrics() {
         for_each([&](auto& t, std::size_t i) {
