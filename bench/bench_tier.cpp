@@ -5,6 +5,9 @@
 // 32 MiB blob), single-threaded. Names: tier_put/<tier>/tokens:1000,
 // tier_get/<tier>/tokens:1000, tier_fetch/<tier>/tokens:1000 with tier memory, disk
 // (disk: the page cache warm, files in ./bench_tier_dir; disk_sync: put with fsync).
+// Redis rows (tier_put/redis, tier_get/redis, tier_fetch/redis) need the binary built with
+// -DKVCACHE_BENCH_HIREDIS and -lhiredis, and a server named by KVCACHE_BENCH_REDIS_PORT
+// (127.0.0.1; e.g. `redis-server --port 6390 --save '' --appendonly no`); else they skip.
 // Counters: bytes_per_second (blob bytes / s); bw_frac = (bytes read + written) / s divided
 // by this binary's single-thread copy bandwidth (bench_common.hpp), measured right after the
 // timed loop: a put or get copies the blob once (2 passes); a fetch reads it twice
@@ -15,6 +18,7 @@
 #include <kvcache/tier/disk_tier.hpp>
 
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -22,6 +26,10 @@
 #include <vector>
 
 #include "bench_common.hpp"
+
+#if defined(KVCACHE_BENCH_HIREDIS)
+#include <kvcache/tier/redis_tier.hpp>
+#endif
 
 namespace {
 
@@ -66,11 +74,25 @@ void tier_report(benchmark::State& state, double bytes, double secs, double pass
     state.counters["bw_frac"] = passes * bytes * iters / secs / kb::measure_copy_bw(1, true);
 }
 
+int tier_redis_port() {
+    const char* e = std::getenv("KVCACHE_BENCH_REDIS_PORT");
+    return e == nullptr ? 0 : std::atoi(e);
+}
+
 template <class Tier>
 Tier make_tier(int kind) {
     if constexpr (std::is_same_v<Tier, kvcache::tier::memory_tier>) {
         static_cast<void>(kind);
         return Tier();
+#if defined(KVCACHE_BENCH_HIREDIS)
+    } else if constexpr (std::is_same_v<Tier, kvcache::tier::redis_tier>) {
+        kvcache::tier::redis_tier_options o;
+        o.nodes = {{"127.0.0.1", tier_redis_port()}};
+        o.prefix = "kvbench:";
+        o.io_timeout_ms = 5000;
+        o.pipeline = 1;
+        return Tier(o);
+#endif
     } else {
         std::filesystem::remove_all("bench_tier_dir");
         return Tier("bench_tier_dir", {.sync = kind == 2});
@@ -107,11 +129,23 @@ void tier_bench(benchmark::State& state, int what, int kind) {
         benchmark::DoNotOptimize(out.data());
     }
     tier_report(state, static_cast<double>(blob.size()), secs, what == 2 ? 4.0 : 2.0);
-    if constexpr (!std::is_same_v<Tier, kvcache::tier::memory_tier>) std::filesystem::remove_all("bench_tier_dir");
+    if constexpr (std::is_same_v<Tier, kvcache::tier::disk_tier>) std::filesystem::remove_all("bench_tier_dir");
 }
 
 void tier_bench_memory(benchmark::State& state, int what) { tier_bench<kvcache::tier::memory_tier>(state, what, 0); }
 void tier_bench_disk(benchmark::State& state, int what, int kind) { tier_bench<kvcache::tier::disk_tier>(state, what, kind); }
+void tier_bench_redis(benchmark::State& state, int what) {
+#if defined(KVCACHE_BENCH_HIREDIS)
+    if (tier_redis_port() > 0) {
+        tier_bench<kvcache::tier::redis_tier>(state, what, 0);
+        return;
+    }
+#endif
+    static_cast<void>(what);
+    state.SkipWithError("no Redis: build with KVCACHE_BENCH_HIREDIS and set KVCACHE_BENCH_REDIS_PORT");
+    for (auto _ : state) {
+    }
+}
 
 }  // namespace
 
@@ -122,3 +156,6 @@ BENCHMARK_CAPTURE(tier_bench_disk, put_disk, 0, 1)->Name("tier_put/disk/tokens:1
 BENCHMARK_CAPTURE(tier_bench_disk, put_disk_sync, 0, 2)->Name("tier_put/disk_sync/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(tier_bench_disk, get_disk, 1, 1)->Name("tier_get/disk/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(tier_bench_disk, fetch_disk, 2, 1)->Name("tier_fetch/disk/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_redis, put_redis, 0)->Name("tier_put/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_redis, get_redis, 1)->Name("tier_get/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_redis, fetch_redis, 2)->Name("tier_fetch/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
