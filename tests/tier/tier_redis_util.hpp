@@ -5,6 +5,7 @@
 #include <kvcache/tier/redis_tier.hpp>
 
 #if KVCACHE_HAS_REDIS_TIER
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,7 +83,9 @@ struct redis_server {
         pid = ::fork();
         if (pid == 0) {
             const std::string ps = std::to_string(p);
-            if (std::freopen("/dev/null", "w", stdout) == nullptr) ::_exit(126);
+            // dup2, not freopen: freopen would flush the parent's buffered output a second time.
+            const int null_fd = ::open("/dev/null", O_WRONLY);
+            if (null_fd < 0 || ::dup2(null_fd, 1) < 0) ::_exit(126);
             std::vector<const char*> a = {"redis-server", "--port", ps.c_str(), "--bind", "127.0.0.1", "--save", "",
                                           "--appendonly", "no", "--daemonize", "no", "--dir", dir.c_str()};
             if (cluster) {

@@ -3,7 +3,7 @@
 //
 // Needs hiredis (Debian libhiredis-dev; link -lhiredis). Not included by kvcache.hpp;
 // without <hiredis/hiredis.h> this header declares nothing and defines
-// KVCACHE_HAS_REDIS_TIER to 0 (1 otherwise).
+// KVCACHE_HAS_REDIS_TIER to 0 (1 otherwise); define KVCACHE_NO_REDIS_TIER to leave it out.
 //
 // Values: one Redis string per entry, "<prefix><key hex>" -> blob, written with
 // SET key blob PX ttl_ms (ttl_ms = 0: no expiry; Redis's own maxmemory policy may also
@@ -25,7 +25,7 @@
 // Thread safety: not thread-safe (one redis_tier per thread; connections are not shared).
 #pragma once
 
-#if __has_include(<hiredis/hiredis.h>)
+#if !defined(KVCACHE_NO_REDIS_TIER) && __has_include(<hiredis/hiredis.h>)
 #define KVCACHE_HAS_REDIS_TIER 1
 
 #include <hiredis/hiredis.h>
