@@ -62,7 +62,8 @@ TEST_CASE("tier_cache: write-through, restart of the upper tier, promotion, long
         CHECK(tiertest::tier_seq_bytes(c, 1) == chain_expected(1, 40, 21));
         REQUIRE(c.seq_rm(1, -1, -1));
         // max_tokens caps what is loaded (the request's last token must be computed).
-        CHECK(tc.fetch(c, 1, p, 0, 95).n_tokens == 40);
+        CHECK(tc.fetch(c, 1, p, 0, 95).n_tokens == 95);  // the 96-position entry, cut at 95
+        CHECK(tiertest::tier_seq_bytes(c, 1) == chain_expected(1, 95, 21));
         REQUIRE(c.seq_rm(1, -1, -1));
     }
     // A new process: empty memory tier, the disk still holds both entries.
@@ -116,6 +117,35 @@ TEST_CASE("tier_cache: admission on the second sighting, write-back with flush")
     CHECK(tc.get<1>().contains(k));
     CHECK(tc.flush() == 0);
     tiertest::tier_remove_dir(dir);
+}
+
+TEST_CASE("tier_cache: a prompt with media; max_tokens inside a chunk keeps none of it") {
+    prompt_tokens p;
+    for (int i = 0; i < 40; ++i) p.push_back(i);
+    p.push_media(77, 20);  // positions [40, 60)
+    while (p.size() < 80) p.push_back(3);
+    tiertest::tier_kv c(tiertest::tier_shape());
+    tiertest::tier_fill(c, 0, 80, 6);
+    tier::tier_cache<tiertest::tier_kv, tier::memory_tier> tc({.block_tokens = 16}, tier::memory_tier());
+    CHECK(tc.publish(c, 0, p).key_tokens == 80);
+    CHECK(tc.fetch(c, 1, p).n_tokens == 80);
+    REQUIRE(c.seq_rm(1, -1, -1));
+    // Keys at 16, 32, 64, 80 (48 is inside the chunk). The cap decides what is kept.
+    CHECK(tc.fetch(c, 1, p, 0, 79).n_tokens == 79);
+    REQUIRE(c.seq_rm(1, -1, -1));
+    CHECK(tc.fetch(c, 1, p, 0, 50).n_tokens == 40);  // inside the chunk: back to its start
+    CHECK(c.seq_pos_max(1) == 39);
+    REQUIRE(c.seq_rm(1, -1, -1));
+    CHECK(tc.fetch(c, 1, p, 0, 30).n_tokens == 30);
+    REQUIRE(c.seq_rm(1, -1, -1));
+    CHECK(tc.fetch(c, 1, p, 0, 0).n_tokens == 0);
+    CHECK(c.seq_pos_max(1) < 0);
+    // Another media id at the same place: a different key, a miss.
+    prompt_tokens q;
+    for (int i = 0; i < 40; ++i) q.push_back(i);
+    q.push_media(78, 20);
+    while (q.size() < 80) q.push_back(3);
+    CHECK(tc.fetch(c, 1, q).n_tokens == 0);
 }
 
 TEST_CASE("tier_cache: misses leave the memory unchanged; bad arguments throw") {

@@ -247,8 +247,9 @@ public:
     }
 
     /// Loads into the empty sequence dst the longest block-aligned prefix of `request`
-    /// (tenant salt, at most max_tokens positions) some tier holds, extended to the
-    /// blob's common prefix with the request (capped at max_tokens). A miss (n_tokens = 0)
+    /// (tenant salt) some tier holds, extended to the blob's common prefix with the request,
+    /// then capped at max_tokens positions (and cut back to the start of a media chunk the
+    /// cap falls into). A miss (n_tokens = 0)
     /// leaves mem unchanged. Throws invalid_argument when dst is not empty,
     /// transaction_open while placements are staged.
     fetch_info fetch(Memory& mem, seq_id_t dst, const prompt_tokens& request, std::uint64_t salt = 0,
@@ -260,7 +261,9 @@ public:
             kvcache::detail::fail(errc::invalid_argument, "tier_cache::fetch: destination sequence " + std::to_string(dst) +
                                                               " is not empty");
         const sha256_digest fp = memory_fingerprint(mem);
-        const auto keys = block_keys(request, opt_.block_tokens, fp, salt, max_tokens);
+        // Every key of the request, also beyond max_tokens: an entry keyed at n serves a
+        // request of n positions capped at n - 1 (the usual cap: the last position's logits).
+        const auto keys = block_keys(request, opt_.block_tokens, fp, salt);
         for (std::size_t j = keys.size(); j-- > 0;) {
             const prefix_key& pk = keys[j];
             fetch_info found;
@@ -280,7 +283,13 @@ public:
                     tm.bytes = t.bytes();
                     return false;
                 }
-                const std::size_t lcp = std::min(v.tokens.common_prefix(request), max_tokens);
+                std::size_t lcp = std::min(v.tokens.common_prefix(request), max_tokens);
+                // max_tokens may fall inside a media chunk: keep none of it.
+                if (const media_chunk* mc = request.chunk_at(lcp); mc != nullptr && mc->begin < lcp) lcp = mc->begin;
+                if (lcp == 0) {
+                    ++tm.misses;  // found, but the cap leaves nothing of it
+                    return false;
+                }
                 if (!load_prefix(mem, dst, v.payload, lcp, v.tokens.size())) {
                     ++tm.refused[static_cast<std::size_t>(refusal::load)];
                     return false;
