@@ -5,7 +5,7 @@
 set(layers
   "basics:config.hpp,error.hpp,model_shape.hpp,concepts.hpp,detail" "tokens:tokens" "simd:simd"
   "element:element" "format:format" "cells:cells" "layout:layout" "reuse:reuse" "memory:memory"
-  "kernels:kernels" "ops:ops" "io:io" "prompt:prompt" "umbrella:kvcache.hpp")
+  "kernels:kernels" "ops:ops" "io:io" "tier:tier" "prompt:prompt" "umbrella:kvcache.hpp")
 
 # Layer index of a path relative to include/kvcache (first component or file name).
 function(layer_of rel out)

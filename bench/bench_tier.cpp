@@ -1,0 +1,161 @@
+// Storage-tier benchmarks (prompt-cache tiers, tier/): put and get of one entry's blob per
+// tier, and a whole tier_cache fetch (probe, verify, io::load_seq) of that entry.
+//
+// Entry: 1,000 tokens of 8 layers, 8 KV heads, head_dim 128, f16 (32 KiB per token: a
+// 32 MiB blob), single-threaded. Names: tier_put/<tier>/tokens:1000,
+// tier_get/<tier>/tokens:1000, tier_fetch/<tier>/tokens:1000 with tier memory, disk
+// (disk: the page cache warm, files in ./bench_tier_dir; disk_sync: put with fsync).
+// Redis rows (tier_put/redis, tier_get/redis, tier_fetch/redis) need the binary built with
+// -DKVCACHE_BENCH_HIREDIS and -lhiredis, and a server named by KVCACHE_BENCH_REDIS_PORT
+// (127.0.0.1; e.g. `redis-server --port 6390 --save '' --appendonly no`); else they skip.
+// Counters: bytes_per_second (blob bytes / s); bw_frac = (bytes read + written) / s divided
+// by this binary's single-thread copy bandwidth (bench_common.hpp), measured right after the
+// timed loop: a put or get copies the blob once (2 passes); a fetch reads it twice
+// (checksums of blob and state) and copies it into the cache (4 passes, counted as 4).
+#include <benchmark/benchmark.h>
+
+#include <kvcache/kvcache.hpp>
+#include <kvcache/tier/disk_tier.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+#if defined(KVCACHE_BENCH_HIREDIS)
+#include <kvcache/tier/redis_tier.hpp>
+#endif
+
+namespace {
+
+namespace kb = kvcache::bench;
+using tier_cache_t = kvcache::kv_cache<kvcache::f16>;
+constexpr std::uint32_t tier_tokens = 1000;
+
+kvcache::model_shape tier_bench_shape() {
+    kvcache::model_shape s;
+    s.n_layer = 8;
+    s.n_head_kv = 8;
+    s.head_dim_k = 128;
+    s.n_cells = 2048;  // the entry and its fetched copy
+    s.n_seq_max = 2;
+    return s;
+}
+
+/// A cache whose sequence 0 holds tier_tokens random positions, and their prompt.
+std::unique_ptr<tier_cache_t> tier_bench_cache(kvcache::prompt_tokens& p) {
+    auto c = std::make_unique<tier_cache_t>(tier_bench_shape());
+    std::vector<kvcache::pos_t> pos(tier_tokens);
+    std::vector<kvcache::seq_id_t> seq(tier_tokens, 0);
+    for (std::uint32_t i = 0; i < tier_tokens; ++i) pos[i] = static_cast<kvcache::pos_t>(i);
+    c->place(pos, seq).value();
+    c->commit();
+    std::mt19937 rng(3);
+    for (std::uint32_t l = 0; l < c->shape().n_layer; ++l) {
+        const auto v = c->storage().view(l);
+        auto* k = reinterpret_cast<std::uint16_t*>(v.k);
+        auto* vv = reinterpret_cast<std::uint16_t*>(v.v);
+        for (std::size_t i = 0; i < v.k_head_stride * v.n_head_kv; ++i) k[i] = static_cast<std::uint16_t>(rng() & 0x3bff);
+        for (std::size_t i = 0; i < v.v_head_stride * v.n_head_kv; ++i) vv[i] = static_cast<std::uint16_t>(rng() & 0x3bff);
+    }
+    p.clear();
+    for (std::uint32_t i = 0; i < tier_tokens; ++i) p.push_back(static_cast<kvcache::token_t>(rng() % 32000));
+    return c;
+}
+
+void tier_report(benchmark::State& state, double bytes, double secs, double passes) {
+    const double iters = static_cast<double>(state.iterations());
+    state.SetBytesProcessed(static_cast<std::int64_t>(bytes * iters));
+    state.counters["bw_frac"] = passes * bytes * iters / secs / kb::measure_copy_bw(1, true);
+}
+
+int tier_redis_port() {
+    const char* e = std::getenv("KVCACHE_BENCH_REDIS_PORT");
+    return e == nullptr ? 0 : std::atoi(e);
+}
+
+template <class Tier>
+Tier make_tier(int kind) {
+    if constexpr (std::is_same_v<Tier, kvcache::tier::memory_tier>) {
+        static_cast<void>(kind);
+        return Tier();
+#if defined(KVCACHE_BENCH_HIREDIS)
+    } else if constexpr (std::is_same_v<Tier, kvcache::tier::redis_tier>) {
+        kvcache::tier::redis_tier_options o;
+        o.nodes = {{"127.0.0.1", tier_redis_port()}};
+        o.prefix = "kvbench:";
+        o.io_timeout_ms = 5000;
+        o.pipeline = 1;
+        return Tier(o);
+#endif
+    } else {
+        std::filesystem::remove_all("bench_tier_dir");
+        return Tier("bench_tier_dir", {.sync = kind == 2});
+    }
+}
+
+/// What: 0 put, 1 get, 2 tier_cache fetch.
+template <class Tier>
+void tier_bench(benchmark::State& state, int what, int kind) {
+    kvcache::prompt_tokens p;
+    auto c = tier_bench_cache(p);
+    kvcache::tier::tier_cache<tier_cache_t, Tier> tc({.block_tokens = 64}, make_tier<Tier>(kind));
+    const auto fp = kvcache::tier::memory_fingerprint(*c);
+    const auto pk = kvcache::tier::block_keys(p, 64, fp, 0).back();
+    const auto blob = kvcache::tier::make_blob(pk.k, fp, 0, pk.n_tokens, p, kvcache::io::save_seq(*c, 0));
+    Tier& t = tc.template get<0>();
+    if (!t.put(pk.k, blob)) state.SkipWithError("put failed");
+    std::vector<std::byte> out(blob.size());
+    double secs = 0;
+    for (auto _ : state) {
+        const double t0 = kb::detail::now_s();
+        if (what == 0) {
+            if (!t.put(pk.k, blob)) state.SkipWithError("put failed");
+        } else if (what == 1) {
+            if (!t.get(pk.k, out)) state.SkipWithError("get missed");
+        } else {
+            const auto f = tc.fetch(*c, 1, p);
+            if (f.n_tokens == 0) state.SkipWithError("fetch missed");
+            secs += kb::detail::now_s() - t0;
+            c->seq_rm(1, -1, -1).value();
+            continue;
+        }
+        secs += kb::detail::now_s() - t0;
+        benchmark::DoNotOptimize(out.data());
+    }
+    tier_report(state, static_cast<double>(blob.size()), secs, what == 2 ? 4.0 : 2.0);
+    if constexpr (std::is_same_v<Tier, kvcache::tier::disk_tier>) std::filesystem::remove_all("bench_tier_dir");
+}
+
+void tier_bench_memory(benchmark::State& state, int what) { tier_bench<kvcache::tier::memory_tier>(state, what, 0); }
+void tier_bench_disk(benchmark::State& state, int what, int kind) { tier_bench<kvcache::tier::disk_tier>(state, what, kind); }
+void tier_bench_redis(benchmark::State& state, int what) {
+#if defined(KVCACHE_BENCH_HIREDIS)
+    if (tier_redis_port() > 0) {
+        tier_bench<kvcache::tier::redis_tier>(state, what, 0);
+        return;
+    }
+#endif
+    static_cast<void>(what);
+    state.SkipWithError("no Redis: build with KVCACHE_BENCH_HIREDIS and set KVCACHE_BENCH_REDIS_PORT");
+    for (auto _ : state) {
+    }
+}
+
+}  // namespace
+
+BENCHMARK_CAPTURE(tier_bench_memory, put_memory, 0)->Name("tier_put/memory/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_memory, get_memory, 1)->Name("tier_get/memory/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_memory, fetch_memory, 2)->Name("tier_fetch/memory/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_disk, put_disk, 0, 1)->Name("tier_put/disk/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_disk, put_disk_sync, 0, 2)->Name("tier_put/disk_sync/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_disk, get_disk, 1, 1)->Name("tier_get/disk/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_disk, fetch_disk, 2, 1)->Name("tier_fetch/disk/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_redis, put_redis, 0)->Name("tier_put/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_redis, get_redis, 1)->Name("tier_get/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(tier_bench_redis, fetch_redis, 2)->Name("tier_fetch/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
