@@ -257,8 +257,9 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
         state.counters["attn_tok_s_32l"] = tokens_per_s_32_layers(1.0, timer.total / static_cast<double>(state.iterations()));
 }
 
-// attn_decode/<q8_0|q4_0>/n_kv:<cells>/threads:<t>: decode over a quantized cache (for now
-// the generic path: each tile dequantized into f32 scratch, then the f32 kernel); counter
+// attn_decode/<q8_0|q4_0>/n_kv:<cells>/threads:<t>: decode over a quantized cache (blocks
+// read in place: integer q.K on a 16-bit query, p.V with the scale folded into p;
+// kernels/quant_decode.hpp); counter
 // vs_f16 = f16 decode seconds / quantized decode seconds, the f16 decode of the same shape
 // run in the same iterations outside the timed region; GBps: quantized bytes read per second.
 template <class E>

@@ -168,6 +168,14 @@ struct attn_shape {
 /// Where the kernel reads tiles when they need no conversion (storage with SIMD loads).
 struct in_place_tiles {};
 
+/// Whether tile source Conv has the quantized decode stages (quant_decode.hpp,
+/// quant_tiles: prepare / score / accumulate) and this build compiled them.
+template <class Conv>
+inline constexpr bool has_quant_stages = false;
+template <class Conv>
+    requires requires { Conv::fast; }
+inline constexpr bool has_quant_stages<Conv> = Conv::fast;
+
 /// One work item of the attention kernel: kv head h of view `kv`, M slots, the tiles of
 /// `ranges`, accumulating into st. The member functions are the stages; run() is the
 /// whole item (a software pipeline over the visible tiles, then finalize()).
@@ -185,6 +193,10 @@ struct in_place_tiles {};
 template <std::size_t M, class T, class Seqs, class Conv = in_place_tiles, bool FixedOrder = false>
 class attention_kernel {
     static constexpr bool in_place = std::is_same_v<Conv, in_place_tiles>;
+    // Quantized K/V (q8_0 / q4_0) read in place by the tile source's stages
+    // (quant_decode.hpp) for every item: each slot's scores and V sums there do not
+    // depend on M or on the other slots' masks, so the fixed-order mode holds too.
+    static constexpr bool quant = !in_place && has_quant_stages<Conv>;
     using S = std::conditional_t<in_place, T, float>;  // what the loads read
     using fbatch = simd::fbatch;
     static constexpr std::size_t L = simd::lanes;
@@ -229,8 +241,9 @@ public:
     /// calls share is attend_item's, as when the stages were its lambdas.)
     [[gnu::always_inline]] inline void run() noexcept {
         load_queries();
+        if constexpr (quant) conv_->prepare(q_buf_, M, dk_);
         start();
-        const bool fuse = can_fuse && !vt_ && dv_ % L == 0;
+        const bool fuse = can_fuse && !quant && !vt_ && dv_ % L == 0;
         // Software pipeline: the scores of the next visible tile are computed together with
         // the V update of the current one.
         tile_mask mask[M], any = 0;
@@ -358,11 +371,11 @@ private:
                         // out here on purpose: in a helper function of their own, GCC deems the
                         // prefetches side-effect free and deletes the call.
                         const char* pk = reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_));
-                        const std::size_t k_bytes = std::size_t{k_tile} * kv_.dim_k * sizeof(T);
+                        const std::size_t k_bytes = std::size_t{k_tile} * kv_.k_units() * sizeof(T);
                         for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2);
                         if (!vt_) {
                             const char* pv = reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
-                            const std::size_t v_bytes = std::size_t{k_tile} * kv_.dim_v * sizeof(T);
+                            const std::size_t v_bytes = std::size_t{k_tile} * kv_.v_units() * sizeof(T);
                             for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(pv + off, 0, 2);
                         }
                     }
@@ -379,6 +392,25 @@ private:
     // an extra load and store per step on each; the second group re-reads the tile's K
     // rows from L1 and converts them again (512 x 512 prefill: 0.99-1.02x, mean 1.007x).
     void score_tile(std::uint32_t tile, fbatch (&sc)[M][B]) noexcept {
+        if constexpr (quant) {
+            if (pf_t_ != tile) {
+                // The next visible tile's K and V: this path reads K, then V (not both at once
+                // as the fused loop does), so the lines are asked for one tile ahead.
+                const char* pk = reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_));
+                const std::size_t k_bytes = std::size_t{k_tile} * kv_.k_units() * sizeof(T);
+                for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2);
+                if (!vt_) {
+                    const char* pv = reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
+                    const std::size_t v_bytes = std::size_t{k_tile} * kv_.v_units() * sizeof(T);
+                    for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(pv + off, 0, 2);
+                }
+            }
+            alignas(64) float out[M * k_tile];
+            conv_->template score<M>(kv_, h_, tile, out);
+            for (std::size_t s = 0; s < M; ++s)
+                for (std::size_t b = 0; b < B; ++b) sc[s][b] = fbatch::load_aligned(out + s * k_tile + b * L);
+            return;
+        }
         const S* kt = k_rows(tile);
         const std::uint32_t dk = dk_;
         // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
@@ -493,6 +525,10 @@ private:
     /// a NaN / inf in V, each slot sums its own cells only (accumulate_masked).
     void accumulate_tile(std::uint32_t tile, tile_mask any, tile_mask mixed, const tile_mask* mask, const float* alpha,
                          bool rescale) noexcept {
+        if constexpr (quant) {
+            conv_->template accumulate<M>(kv_, h_, tile, any, mask, p_buf_, st_.acc, alpha, rescale);
+            return;
+        }
         const std::uint32_t dv = dv_;
         if (vt_) {
             // Transposed V: gather the visible cells' rows into row-major scratch.

@@ -14,7 +14,8 @@
 // dequantizes each unit and transposes it into the [row][32 cells] f32 rows the kernel
 // expects. A row-major V tile's units are already in the f32 order (each cell's piece
 // of a V block is consecutive units), and a transposed V column is one unit per 32
-// dimensions, cp units apart.
+// dimensions, cp units apart. For q8_0 / q4_0 the ops pass quant_tiles (quant_decode.hpp),
+// which keeps these conversions but whose own stages read the blocks in place.
 #pragma once
 
 #include <cstddef>  // std::size_t

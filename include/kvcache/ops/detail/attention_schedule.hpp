@@ -25,6 +25,7 @@
 #include "../../element/contract.hpp"
 #include "../../format/kv_view.hpp"
 #include "../../kernels/attention.hpp"
+#include "../../kernels/quant_decode.hpp"
 #include "../../kernels/tile_source.hpp"
 #include "../../model_shape.hpp"
 #include "attention_cells.hpp"
@@ -170,9 +171,10 @@ void run_one_item(const call_items<typename Element::storage_type>& c, std::size
         if constexpr (kvcache::detail::has_simd_storage<Element>) {
             attend();
         } else {
-            // Generic path: tiles converted through Element::to_float into this caller's scratch.
+            // Generic path: tiles converted through Element::to_float into this caller's scratch
+            // (q8_0 / q4_0: read in place by decode items, kernels/quant_decode.hpp).
             float* stage = q_buf + M * c.sh.dk;  // k_tile x (dk + dv) floats
-            const kernels::converted_tiles<Element> src{stage, stage + std::size_t{k_tile} * c.sh.dk};
+            const auto src = kernels::make_tile_source<Element>(stage, stage + std::size_t{k_tile} * c.sh.dk);
             attend(src);
         }
         finish_slots<M>(st, acc, dv, w.slot0, w.partial0, c.tg);

@@ -1,0 +1,524 @@
+// kvcache kernels: attention that reads q8_0 / q4_0 K and V blocks in place.
+//
+// The generic path (tile_source.hpp, converted_tiles) dequantizes each visited tile into
+// f32 scratch and runs the f32 kernel on it: every value is converted, scaled, stored and
+// loaded again (and K transposed one value at a time), and decode ran at 0.19-0.26 of the
+// f16 speed. quant_tiles adds the two stages attention_kernel (attention.hpp) then calls
+// instead, for every item (decode and prefill, both V arrangements, every layout):
+//
+// - score (q.K, integer dot products on a 16-bit query): each slot's scaled query is
+//   quantized per block of 32 K rows to int16 (d_q = max|q| / 32767). A K unit is 32
+//   values of one cell; the units of 16 (AVX-512) or 8 (AVX2) cells are transposed in
+//   registers into one vector per 4 K rows (a dword of 4 int8 codes per cell; q4_0
+//   nibbles unpacked and re-centred to -8..7), sign-extended to int16 and multiplied with
+//   the slot's 4 query values by vpdpwssd (AVX-512 VNNI) or vpmaddwd: an exact int32 sum
+//   per cell and pair of rows. At the end of each block the sums are converted and scaled
+//   by d_k (per cell) * d_q (per slot). Per slot and 4 K rows of 16 cells: 2 vpdpwssd
+//   where the f16 kernel issues 4 FMAs (and the conversions are shared by the slots).
+// - accumulate (p.V, f32): the block scale is folded into the probability (w = p * d_v per
+//   cell, block and slot, exactly 0 for a cell the slot does not see), each V unit is
+//   widened int8 -> int32 -> f32 in registers and accumulated with FMAs. q4_0 codes are
+//   accumulated as 0..15 and 8 * sum(w) is subtracted once per block.
+//
+// Why a 16-bit query and not llama.cpp's 8-bit one (vpdpbusd on int8 q and K): with an
+// int8 query the error of q.K doubles for q8_0 K (the query's rounding, max|q| / 254 per
+// block, is as large as the K codes' own), which moved attention NMSE against the
+// unquantized float64 above llama.cpp's format with f32 queries (tests/element/
+// test_quant.cpp); int16 adds 2^-16 of the block's largest value: NMSE ~4e-10 against
+// the stored values, 1e5 times below the K/V rounding. It costs one sign extension per 4
+// rows and 16 cells, shared by all slots.
+//
+// Results: each slot's scores and V sums depend on its own query and mask only (integer
+// sums are exact, the f32 steps run in a fixed order per slot, w = 0 outside its mask),
+// so ops' deterministic mode (bits independent of the call's other rows and of the
+// threads) holds. Masks, windows and soft-cap are applied by attention_kernel on the
+// scores as for every element; a NaN / inf scale (element/q8_0.hpp) makes the rows that
+// see the cell NaN. Compiled with AVX2 + FMA + F16C (x86-64-v3) or AVX-512 BW/VL;
+// elsewhere quant_tiles::fast is false and the generic path runs.
+#pragma once
+
+#include <bit>      // std::countr_zero
+#include <cmath>    // std::fabs, std::nearbyint, std::isfinite
+#include <cstddef>  // std::size_t
+#include <cstdint>  // fixed-width integers
+#include <cstring>  // std::memcpy
+#include <limits>   // quiet_NaN
+#include <type_traits>  // std::is_same_v
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "../config.hpp"
+#include "../element/q4_0.hpp"
+#include "../element/q8_0.hpp"
+#include "../format/kv_view.hpp"
+#include "tile_source.hpp"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define KVCACHE_QDEC_512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVCACHE_QDEC_256 1
+#endif
+
+KVCACHE_BEGIN_NAMESPACE
+namespace kernels {
+
+/// Tiles of a q8_0 / q4_0 cache: the generic path's conversion (converted_tiles) plus the
+/// decode stages that read the blocks in place (see the top of this file). Scratch: the
+/// converted_tiles buffers; k_buf also holds the quantized queries (M x dk int16 and
+/// M x dk / 32 scales) while the fast stages run, v_buf the folded probabilities.
+template <class Element>
+struct quant_tiles : converted_tiles<Element> {
+    using T = typename Element::storage_type;
+    static constexpr bool four_bit = std::is_same_v<Element, q4_0>;
+    static_assert(four_bit || std::is_same_v<Element, q8_0>, "quant_tiles: q8_0 or q4_0");
+#if defined(KVCACHE_QDEC_512) || defined(KVCACHE_QDEC_256)
+    /// Whether this build has the fast stages (else attention_kernel takes the generic path).
+    static constexpr bool fast = true;
+#else
+    static constexpr bool fast = false;
+#endif
+    /// Bytes of one unit (34 or 18) and offset of its codes after the binary16 scale.
+    static constexpr std::size_t unit_bytes = sizeof(T);
+    static constexpr std::size_t codes_at = 2;
+
+    /// Quantizes the M scaled queries of q_buf ([K row][slot], dk rows) to int16 per block
+    /// of 32 rows into k_buf: q16 [slot][row], then the scales dq [slot][block].
+    void prepare(const float* q_buf, std::size_t m, std::uint32_t dk) const noexcept {
+        auto* q16 = reinterpret_cast<std::int16_t*>(this->k_buf);
+        float* dq = this->k_buf + (m * dk + 1) / 2;
+        const std::uint32_t nu = dk / 32;
+        for (std::size_t s = 0; s < m; ++s)
+            for (std::uint32_t u = 0; u < nu; ++u) {
+                float amax = 0.0f;
+                bool finite = true;
+                for (std::uint32_t i = 0; i < 32; ++i) {
+                    const float x = q_buf[(std::size_t{u} * 32 + i) * m + s];
+                    finite = finite && std::isfinite(x);
+                    amax = std::fabs(x) > amax ? std::fabs(x) : amax;
+                }
+                const float inv = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
+                dq[s * nu + u] = finite ? amax / 32767.0f : std::numeric_limits<float>::quiet_NaN();
+                for (std::uint32_t i = 0; i < 32; ++i) {
+                    const float x = q_buf[(std::size_t{u} * 32 + i) * m + s] * inv;
+                    float r = std::nearbyint(x);
+                    r = r > 32767.0f ? 32767.0f : (r < -32767.0f ? -32767.0f : r);
+                    q16[s * dk + std::size_t{u} * 32 + i] = static_cast<std::int16_t>(r);
+                }
+            }
+    }
+
+#if defined(KVCACHE_QDEC_512)
+    // ---------------------------------------------------------------- AVX-512
+    /// Scale of the 16 units at `base`, `stride` bytes apart (binary16 -> f32).
+    static __m512 scales16(const char* base, std::int32_t stride) noexcept {
+        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(stride));
+        const __m512i g = _mm512_i32gather_epi32(idx, base, 1);
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    }
+    /// Codes of 16 units (cells c .. c + 15 of one K row block) as 8 vectors, vector g holding
+    /// rows [4g, 4g + 4) of every cell as 4 signed bytes (lane = cell).
+    static void k_codes16(const char* base, __m512i (&x)[8]) noexcept {
+        if constexpr (!four_bit) {
+            __m512i z[8];
+            for (int i = 0; i < 8; ++i) {
+                const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + i * unit_bytes + codes_at));
+                const __m256i hi =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (i + 8) * unit_bytes + codes_at));
+                z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            }
+            // 8 x 8 dword transposes in both 256-bit halves.
+            __m512i t[8], w[8];
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+                t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                w[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+                w[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+                w[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+                w[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+            }
+            // w[0..3]: rows 0..3 of cells 0-3 (128-bit lane 0) and 8-11 (lane 2), rows 4..7 in
+            // lanes 1 and 3; w[4..7] the same for cells 4-7 / 12-15.
+            const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+            const __m512i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+            for (int g = 0; g < 4; ++g) {
+                x[g] = _mm512_permutex2var_epi64(w[g], lo_idx, w[g + 4]);
+                x[g + 4] = _mm512_permutex2var_epi64(w[g], hi_idx, w[g + 4]);
+            }
+        } else {
+            __m512i z[4];
+            for (int i = 0; i < 4; ++i) {
+                __m512i v = _mm512_castsi128_si512(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + i * unit_bytes + codes_at)));
+                v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (i + 4) * unit_bytes + codes_at)), 1);
+                v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (i + 8) * unit_bytes + codes_at)), 2);
+                v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (i + 12) * unit_bytes + codes_at)), 3);
+                z[i] = v;
+            }
+            // 4 x 4 dword transposes in each 128-bit lane: y[g] lane k = dword g of cells 4k..4k+3.
+            const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+            const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+            const __m512i y[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                                  _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+            const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+            for (int g = 0; g < 4; ++g) {
+                x[g] = _mm512_sub_epi8(_mm512_and_si512(y[g], nib), eight);  // values 4g..4g+3
+                x[g + 4] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(y[g], 4), nib), eight);  // 16+4g..
+            }
+        }
+    }
+
+    /// q.K of the 32 cells of K tile `tile` of head h for M slots into out[s * 32 + cell].
+    template <std::size_t M>
+    void score(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, float* out) const noexcept {
+        const auto* q16 = reinterpret_cast<const std::int16_t*>(this->k_buf);
+        const float* dq = this->k_buf + (M * kv.dim_k + 1) / 2;
+        const std::uint32_t nu = kv.k_units(), dk = kv.dim_k;
+        const char* kt = reinterpret_cast<const char*>(kv.k_tile_ptr(h, tile));
+        const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        const __m512i dup_hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+        constexpr std::size_t G = M < 4 ? M : 4;  // slots per pass: 2 G int32 accumulators
+
+        __m512 f[2][M][2];
+        for (int hh = 0; hh < 2; ++hh)
+            for (std::size_t s = 0; s < M; ++s) f[hh][s][0] = f[hh][s][1] = _mm512_setzero_ps();
+        for (std::uint32_t u = 0; u < nu; ++u)
+            for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 16) {  // (address order)
+                const char* base = kt + (std::size_t{u} * k_tile + c0) * unit_bytes;
+                __m512i x[8];
+                k_codes16(base, x);
+                const __m512 dk16 = scales16(base, static_cast<std::int32_t>(unit_bytes));
+                const __m512 dlo = _mm512_permutexvar_ps(dup_lo, dk16), dhi = _mm512_permutexvar_ps(dup_hi, dk16);
+                auto& fh = f[c0 / 16];
+                for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                    __m512i ia[G][2];
+                    for (std::size_t s = 0; s < G; ++s) ia[s][0] = ia[s][1] = _mm512_setzero_si512();
+                    for (int g = 0; g < 8; ++g) {
+                        const __m512i lo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(x[g]));        // cells 0..7
+                        const __m512i hi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(x[g], 1));  // 8..15
+                        for (std::size_t s = 0; s < G; ++s) {
+                            std::int64_t qq;
+                            std::memcpy(&qq, q16 + (s0 + s) * dk + std::size_t{u} * 32 + 4 * g, sizeof qq);
+                            const __m512i qv = _mm512_set1_epi64(qq);
+#if defined(__AVX512VNNI__)
+                            ia[s][0] = _mm512_dpwssd_epi32(ia[s][0], lo, qv);
+                            ia[s][1] = _mm512_dpwssd_epi32(ia[s][1], hi, qv);
+#else
+                            ia[s][0] = _mm512_add_epi32(ia[s][0], _mm512_madd_epi16(lo, qv));
+                            ia[s][1] = _mm512_add_epi32(ia[s][1], _mm512_madd_epi16(hi, qv));
+#endif
+                        }
+                    }
+                    for (std::size_t s = 0; s < G; ++s) {
+                        const __m512 d = _mm512_set1_ps(dq[(s0 + s) * nu + u]);
+                        fh[s0 + s][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[s][0]), _mm512_mul_ps(dlo, d), fh[s0 + s][0]);
+                        fh[s0 + s][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[s][1]), _mm512_mul_ps(dhi, d), fh[s0 + s][1]);
+                    }
+                }
+            }
+        // Lanes (2c, 2c + 1) hold cell c's two row pairs: add them.
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        for (int hh = 0; hh < 2; ++hh)
+            for (std::size_t s = 0; s < M; ++s)
+                _mm512_storeu_ps(out + s * k_tile + 16 * hh,
+                                 _mm512_add_ps(_mm512_permutex2var_ps(f[hh][s][0], ev, f[hh][s][1]),
+                                               _mm512_permutex2var_ps(f[hh][s][0], od, f[hh][s][1])));
+    }
+
+    /// 16 values of a unit's codes (first: values 0..15, else 16..31) as floats (q4_0: the
+    /// codes 0..15, not re-centred).
+    static void v_values(const char* unit, __m512& a, __m512& b) noexcept {
+        const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + codes_at));
+        if constexpr (!four_bit) {
+            const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + codes_at + 16));
+            a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0));
+            b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1));
+        } else {
+            const __m128i nib = _mm_set1_epi8(0x0F);
+            a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(c0, nib)));
+            b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c0, 4), nib)));
+        }
+    }
+#endif  // KVCACHE_QDEC_512
+
+#if defined(KVCACHE_QDEC_256)
+    // ---------------------------------------------------------------- AVX2
+    /// Scales of the 8 units at `base`, `stride` bytes apart.
+    static __m256 scales8(const char* base, std::int32_t stride) noexcept {
+        const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+        const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, 1);
+        const __m256i packed = _mm256_shuffle_epi8(
+            g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1,
+                                -1, -1, -1, -1, -1, -1, -1));
+        const __m128i h = _mm_unpacklo_epi64(_mm256_castsi256_si128(packed), _mm256_extracti128_si256(packed, 1));
+        return _mm256_cvtph_ps(h);
+    }
+    /// Codes of 8 units (cells c .. c + 7) as 8 vectors: vector g = rows [4g, 4g + 4) of every
+    /// cell as 4 signed bytes (lane = cell).
+    static void k_codes8(const char* base, __m256i (&x)[8]) noexcept {
+        if constexpr (!four_bit) {
+            __m256i z[8], t[8], w[8];
+            for (int i = 0; i < 8; ++i)
+                z[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + i * unit_bytes + codes_at));
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]);
+                t[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                w[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+                w[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+                w[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+                w[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+            }
+            for (int g = 0; g < 4; ++g) {
+                x[g] = _mm256_permute2x128_si256(w[g], w[g + 4], 0x20);
+                x[g + 4] = _mm256_permute2x128_si256(w[g], w[g + 4], 0x31);
+            }
+        } else {
+            __m256i z[4];
+            for (int i = 0; i < 4; ++i)
+                z[i] = _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + i * unit_bytes + codes_at))),
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (i + 4) * unit_bytes + codes_at)), 1);
+            const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+            const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+            const __m256i y[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                                  _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+            const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+            for (int g = 0; g < 4; ++g) {
+                x[g] = _mm256_sub_epi8(_mm256_and_si256(y[g], nib), eight);
+                x[g + 4] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(y[g], 4), nib), eight);
+            }
+        }
+    }
+
+    template <std::size_t M>
+    void score(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, float* out) const noexcept {
+        const auto* q16 = reinterpret_cast<const std::int16_t*>(this->k_buf);
+        const float* dq = this->k_buf + (M * kv.dim_k + 1) / 2;
+        const std::uint32_t nu = kv.k_units(), dk = kv.dim_k;
+        const char* kt = reinterpret_cast<const char*>(kv.k_tile_ptr(h, tile));
+        const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        const __m256i dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+        constexpr std::size_t G = M < 2 ? M : 2;  // slots per pass (16 registers)
+        for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 8) {
+            alignas(32) float f[M][2][8] = {};
+            for (std::uint32_t u = 0; u < nu; ++u) {
+                const char* base = kt + (std::size_t{u} * k_tile + c0) * unit_bytes;
+                __m256i x[8];
+                k_codes8(base, x);
+                const __m256 dk8 = scales8(base, static_cast<std::int32_t>(unit_bytes));
+                const __m256 dlo = _mm256_permutevar8x32_ps(dk8, dup_lo), dhi = _mm256_permutevar8x32_ps(dk8, dup_hi);
+                for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                    __m256i ia[G][2];
+                    for (std::size_t s = 0; s < G; ++s) ia[s][0] = ia[s][1] = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; ++g) {
+                        const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x[g]));       // cells 0..3
+                        const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x[g], 1));  // 4..7
+                        for (std::size_t s = 0; s < G; ++s) {
+                            std::int64_t qq;
+                            std::memcpy(&qq, q16 + (s0 + s) * dk + std::size_t{u} * 32 + 4 * g, sizeof qq);
+                            const __m256i qv = _mm256_set1_epi64x(qq);
+                            ia[s][0] = _mm256_add_epi32(ia[s][0], _mm256_madd_epi16(lo, qv));
+                            ia[s][1] = _mm256_add_epi32(ia[s][1], _mm256_madd_epi16(hi, qv));
+                        }
+                    }
+                    for (std::size_t s = 0; s < G; ++s) {
+                        const __m256 d = _mm256_set1_ps(dq[(s0 + s) * nu + u]);
+                        float* fs = f[s0 + s][0];
+                        _mm256_store_ps(fs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[s][0]), _mm256_mul_ps(dlo, d),
+                                                            _mm256_load_ps(fs)));
+                        _mm256_store_ps(fs + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[s][1]), _mm256_mul_ps(dhi, d),
+                                                                _mm256_load_ps(fs + 8)));
+                    }
+                }
+            }
+            for (std::size_t s = 0; s < M; ++s) {
+                // hadd: (a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7): cells 0,1,4,5 | 2,3,6,7.
+                const __m256 hs = _mm256_hadd_ps(_mm256_load_ps(f[s][0]), _mm256_load_ps(f[s][1]));
+                _mm256_storeu_ps(out + s * k_tile + c0,
+                                 _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(hs), 0xD8)));
+            }
+        }
+    }
+
+#endif  // KVCACHE_QDEC_256
+
+#if defined(KVCACHE_QDEC_512) || defined(KVCACHE_QDEC_256)
+    /// acc[s] = acc[s] * alpha[s] (when rescale) + sum over the cells of mask[s] of
+    /// p[s][cell] * V[cell], for V tile `tile` of head h (row-major or transposed). The
+    /// block scale is folded into w = p * d_v, set to exactly 0 outside mask[s] (a NaN
+    /// scale of a cell a slot does not see never reaches it; the codes are always finite),
+    /// so each slot's result is the same whatever the other slots see. The cells of `any`
+    /// are visited in address order. p_buf: M x 32; acc: M x dv.
+    template <std::size_t M>
+    void accumulate(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, tile_mask any,
+                    const tile_mask* mask, const float* p_buf, float* acc, const float* alpha,
+                    bool rescale) const noexcept {
+        const std::uint32_t dv = kv.dim_v, nv = kv.v_units();
+        const bool vt = kv.vl == v_layout::transposed;
+        const T* vtile = vt ? kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile : kv.v_tile_ptr(h, tile);
+        float* w = this->v_buf;  // [slot][cell] for the current unit
+        float wsum[M];
+        for (std::uint32_t u = 0; u < nv; ++u) {
+            // Unit (cell j, u) = ub + j * us (in units).
+            const T* ub;
+            std::size_t us;
+            if (vt) {
+                ub = vtile + std::size_t{u} * kv.n_cells_pad;
+                us = 1;
+            } else {
+                const std::uint32_t d0 = u * 32 / v_block * v_block;
+                const std::uint32_t bw = dv - d0 < v_block ? dv - d0 : v_block;
+                ub = vtile + (std::size_t{d0} * k_tile + (u * 32 - d0)) / 32;
+                us = bw / 32;
+            }
+            const char* ubc = reinterpret_cast<const char*>(ub);
+            const std::size_t cstep = us * unit_bytes;  // bytes between cells
+            const auto stride = static_cast<std::int32_t>(cstep);
+            float* ap = acc + std::size_t{u} * 32;
+#if defined(KVCACHE_QDEC_512)
+            const __m512 d0v = scales16(ubc, stride), d1v = scales16(ubc + 16 * cstep, stride);
+            for (std::size_t s = 0; s < M; ++s) {
+                const __m512 w0 = _mm512_maskz_mul_ps(static_cast<__mmask16>(mask[s]), _mm512_loadu_ps(p_buf + s * k_tile), d0v);
+                const __m512 w1 = _mm512_maskz_mul_ps(static_cast<__mmask16>(mask[s] >> 16),
+                                                      _mm512_loadu_ps(p_buf + s * k_tile + 16), d1v);
+                _mm512_storeu_ps(w + s * k_tile, w0);
+                _mm512_storeu_ps(w + s * k_tile + 16, w1);
+                if constexpr (four_bit) wsum[s] = _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+            }
+            constexpr std::size_t G = M < 8 ? M : 8;  // slots per pass: 2 G accumulators
+            for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                __m512 a[G][2];
+                for (std::size_t s = 0; s < G; ++s)
+                    for (int v = 0; v < 2; ++v) {
+                        a[s][v] = _mm512_loadu_ps(ap + (s0 + s) * dv + v * 16);
+                        if (rescale) a[s][v] = _mm512_mul_ps(a[s][v], _mm512_set1_ps(alpha[s0 + s]));
+                    }
+                auto cell = [&](std::uint32_t j) {
+                    __m512 x0, x1;
+                    v_values(ubc + j * cstep, x0, x1);
+                    for (std::size_t s = 0; s < G; ++s) {
+                        const __m512 wj = _mm512_set1_ps(w[(s0 + s) * k_tile + j]);
+                        a[s][0] = _mm512_fmadd_ps(wj, x0, a[s][0]);
+                        a[s][1] = _mm512_fmadd_ps(wj, x1, a[s][1]);
+                    }
+                };
+                if (any == k_tile_full)
+                    for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
+                else
+                    for (tile_mask bits = any; bits != 0; bits &= bits - 1)
+                        cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
+                for (std::size_t s = 0; s < G; ++s)
+                    for (int v = 0; v < 2; ++v) {
+                        if constexpr (four_bit)
+                            a[s][v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), _mm512_set1_ps(wsum[s0 + s]), a[s][v]);
+                        _mm512_storeu_ps(ap + (s0 + s) * dv + v * 16, a[s][v]);
+                    }
+            }
+#else
+            __m256 dv8[4];
+            for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, stride);
+            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            for (std::size_t s = 0; s < M; ++s) {
+                __m256 sum = _mm256_setzero_ps();
+                for (int k = 0; k < 4; ++k) {
+                    const auto bits = static_cast<int>((mask[s] >> (8 * k)) & 0xFFu);
+                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lane), lane);
+                    const __m256 wk = _mm256_and_ps(_mm256_castsi256_ps(on),
+                                                    _mm256_mul_ps(_mm256_loadu_ps(p_buf + s * k_tile + 8 * k), dv8[k]));
+                    _mm256_storeu_ps(w + s * k_tile + 8 * k, wk);
+                    sum = _mm256_add_ps(sum, wk);
+                }
+                if constexpr (four_bit) {
+                    alignas(32) float t[8];
+                    _mm256_store_ps(t, sum);
+                    wsum[s] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+                }
+            }
+            // Passes of 16 dimensions and up to 4 slots: 8 accumulators (16 registers).
+            constexpr std::size_t G = M < 4 ? M : 4;
+            for (int half = 0; half < 2; ++half)
+                for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                    __m256 a[G][2];
+                    for (std::size_t s = 0; s < G; ++s)
+                        for (int v = 0; v < 2; ++v) {
+                            a[s][v] = _mm256_loadu_ps(ap + (s0 + s) * dv + half * 16 + v * 8);
+                            if (rescale) a[s][v] = _mm256_mul_ps(a[s][v], _mm256_set1_ps(alpha[s0 + s]));
+                        }
+                    auto cell = [&](std::uint32_t j) {
+                        const char* un = ubc + j * cstep + codes_at;
+                        __m256 x0, x1;
+                        if constexpr (!four_bit) {
+                            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(un + half * 16));
+                            x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+                            x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+                        } else {
+                            __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(un));
+                            if (half) c = _mm_srli_epi16(c, 4);
+                            c = _mm_and_si128(c, _mm_set1_epi8(0x0F));
+                            x0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+                            x1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)));
+                        }
+                        for (std::size_t s = 0; s < G; ++s) {
+                            const __m256 wj = _mm256_broadcast_ss(w + (s0 + s) * k_tile + j);
+                            a[s][0] = _mm256_fmadd_ps(wj, x0, a[s][0]);
+                            a[s][1] = _mm256_fmadd_ps(wj, x1, a[s][1]);
+                        }
+                    };
+                    if (any == k_tile_full)
+                        for (std::uint32_t j = 0; j < k_tile; ++j) cell(j);
+                    else
+                        for (tile_mask bits = any; bits != 0; bits &= bits - 1)
+                            cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
+                    for (std::size_t s = 0; s < G; ++s)
+                        for (int v = 0; v < 2; ++v) {
+                            if constexpr (four_bit)
+                                a[s][v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_set1_ps(wsum[s0 + s]), a[s][v]);
+                            _mm256_storeu_ps(ap + (s0 + s) * dv + half * 16 + v * 8, a[s][v]);
+                        }
+                }
+#endif
+        }
+    }
+#else
+    template <std::size_t M>
+    void score(const kv_layer_view<const T>&, std::uint32_t, std::uint32_t, float*) const noexcept {}
+    template <std::size_t M>
+    void accumulate(const kv_layer_view<const T>&, std::uint32_t, std::uint32_t, tile_mask, const tile_mask*,
+                    const float*, float*, const float*, bool) const noexcept {}
+#endif
+};
+
+/// The tile source of the generic (non-SIMD-storage) path for Element: quant_tiles for
+/// q8_0 / q4_0, converted_tiles otherwise.
+template <class Element>
+struct tile_source_of {
+    using type = converted_tiles<Element>;
+};
+template <>
+struct tile_source_of<q8_0> {
+    using type = quant_tiles<q8_0>;
+};
+template <>
+struct tile_source_of<q4_0> {
+    using type = quant_tiles<q4_0>;
+};
+
+/// Element's tile source over the scratch k_buf (k_tile x dim_k floats) and v_buf
+/// (k_tile x dim_v floats).
+template <class Element>
+typename tile_source_of<Element>::type make_tile_source(float* k_buf, float* v_buf) noexcept {
+    typename tile_source_of<Element>::type src;
+    src.k_buf = k_buf;
+    src.v_buf = v_buf;
+    return src;
+}
+
+}  // namespace kernels
+KVCACHE_END_NAMESPACE
