@@ -13,6 +13,8 @@
 // the plain K-shift in each iteration; counter vs_plain = scaled / plain seconds),
 // attn_decode/<q8_0|q4_0>/n_kv:16384/threads:<1|2> (quantized K/V; counter vs_f16 = f16 /
 // quantized seconds, both decodes in the same iterations),
+// kshift/<q8_0|q4_0>/<rope>/n_cells:16384/threads:<1|2> (quantized K-shift paired with the f16
+// one in each iteration; counters vs_f16 and bw_frac),
 // membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
 // membw_kv_compute/<blocked|together>/threads:<t> (the two streams with decode's FMAs per
 // byte, read one after the other or together),
@@ -757,6 +759,41 @@ void kshift_scaled(benchmark::State& state, kvcache::rope_type type, rope_varian
     state.counters["vs_plain"] = timer.total / (plain_timer.total > 0.0 ? plain_timer.total : 1e-30);
 }
 
+// kshift/<q8_0|q4_0>/<rope>/n_cells:16384/threads:<t>: the K-shift of a quantized K
+// (dequantize, rotate with the exact angles, requantize the moved cells), paired with the
+// f16 K-shift of a cache with the same cells, each timed on its own in every iteration.
+// Counters: vs_f16 = f16 seconds / quantized seconds (target >= 0.8), bw_frac = quantized K
+// bytes read and written per second over the read-modify-write yardstick.
+template <class E>
+void kshift_quant(benchmark::State& state, kvcache::rope_type type, int threads) {
+    constexpr std::uint32_t n_cells = 16384;
+    const std::size_t k_layer_bytes = std::size_t{n_cells} * n_head_kv_default * kvcache::values_bytes<E>(head_dim);
+    const std::size_t f16_layer_bytes =
+        std::size_t{n_cells} * n_head_kv_default * kvcache::values_bytes<kvcache::f16>(head_dim);
+    const std::uint32_t n_layer = cold_layers(k_layer_bytes), n_layer16 = cold_layers(f16_layer_bytes);
+    cache_t<E>* const cache = &shared_cache<E>(n_cells, n_cells, n_layer, n_head_kv_default, type);
+    cache_t<kvcache::f16>* const c16 = &shared_cache<kvcache::f16>(n_cells, n_cells, n_layer16, n_head_kv_default, type);
+    std::int32_t delta = 1;
+    kernel_timer timer, timer16;
+    kb::paired_yardstick yard(kb::yardstick_kind::rmw, threads);
+    const double bytes = 2.0 * static_cast<double>(k_layer_bytes) * n_layer;
+    for (auto _ : state) {
+        state.PauseTiming();
+        cache->seq_add(0, 0, -1, delta).value();  // bookkeeping, not timed
+        c16->seq_add(0, 0, -1, delta).value();
+        delta = -delta;
+        yard.add(bytes);
+        timer16.run([&] { kvcache::ops::apply_k_shift(*c16, threads); });
+        state.ResumeTiming();
+        timer.run([&] { kvcache::ops::apply_k_shift(*cache, threads); });
+    }
+    const double fmas = 2.0 * static_cast<double>(n_cells) * n_head_kv_default * head_dim * n_layer;
+    report(state, timer, bytes, 0.0, fmas, yard.rate(), 0.0, threads);
+    // per-layer times: the two caches may hold a different number of layers (cold_layers)
+    const double t = timer.total / static_cast<double>(n_layer), t16 = timer16.total / static_cast<double>(n_layer16);
+    state.counters["vs_f16"] = t16 / (t > 0.0 ? t : 1e-30);
+}
+
 template <class E>
 void register_type() {
     using kvcache::ops::kernel_path;
@@ -836,6 +873,16 @@ const bool registered = [] {
         benchmark::RegisterBenchmark(("attn_decode/q4_0" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_decode_quant<kvcache::q4_0>(st, 16384, th); })
             ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        for (auto rt : {kvcache::rope_type::normal, kvcache::rope_type::neox}) {
+            const std::string rn = rt == kvcache::rope_type::normal ? "normal" : "neox";
+            const std::string ks = "/" + rn + "/n_cells:16384/threads:" + std::to_string(th);
+            benchmark::RegisterBenchmark(("kshift/q8_0" + ks).c_str(),
+                                         [rt, th](benchmark::State& st) { kshift_quant<kvcache::q8_0>(st, rt, th); })
+                ->UseRealTime()->Unit(benchmark::kMillisecond);
+            benchmark::RegisterBenchmark(("kshift/q4_0" + ks).c_str(),
+                                         [rt, th](benchmark::State& st) { kshift_quant<kvcache::q4_0>(st, rt, th); })
+                ->UseRealTime()->Unit(benchmark::kMillisecond);
+        }
     }
     register_type<kvcache::f32>();
     register_type<kvcache::bf16>();

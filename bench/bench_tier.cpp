@@ -74,10 +74,12 @@ void tier_report(benchmark::State& state, double bytes, double secs, double pass
     state.counters["bw_frac"] = passes * bytes * iters / secs / kb::measure_copy_bw(1, true);
 }
 
+#if defined(KVCACHE_BENCH_HIREDIS)
 int tier_redis_port() {
     const char* e = std::getenv("KVCACHE_BENCH_REDIS_PORT");
     return e == nullptr ? 0 : std::atoi(e);
 }
+#endif
 
 template <class Tier>
 Tier make_tier(int kind) {
