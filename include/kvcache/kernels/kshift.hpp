@@ -22,12 +22,18 @@
 #include <bit>          // std::countr_zero
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
-#include <type_traits>  // std::true_type
+#include <cmath>        // std::isfinite
+#include <type_traits>  // std::true_type, std::is_same_v
 
 #include "../concepts.hpp"
 #include "../config.hpp"
+#include "../element/q8_0.hpp"
 #include "../format/kv_view.hpp"
 #include "../simd/tile_io.hpp"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 KVCACHE_BEGIN_NAMESPACE
 namespace kernels {
@@ -109,6 +115,77 @@ inline void rotate_tile(T* tile, std::uint32_t n_rot, const tile_rotation& rot, 
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/// q8_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA; AVX-512
+/// builds use the same 8-lane code): for each unit row u and each moving cell, its block
+/// (32 dimensions of the cell) is dequantized into four 8-lane vectors, each pair
+/// (dims 2i, 2i + 1, adjacent in the block) rotated with the pair-swapped vector, then
+/// requantized with the same arithmetic as q8_0::from_float (scale from max|y| rounded to
+/// binary16, round half away from zero, clamp to +-127): the bytes are identical to the
+/// generic path's. Returns false (nothing written) when a moving block's scale is not
+/// finite: the generic path then handles the tile.
+inline bool rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
+                                     const float* sin_tab) noexcept {
+    constexpr std::uint32_t B = 32;
+    const std::uint32_t n_units = (n_rot + B - 1) / B;
+    for (std::uint32_t u = 0; u < n_units; ++u)
+        for (tile_mask bits = mask; bits != 0; bits &= bits - 1)
+            if (!std::isfinite(scalar::f16_to_f32(tile[std::size_t{u} * k_tile + static_cast<std::uint32_t>(std::countr_zero(bits))].d)))
+                return false;
+    const std::uint32_t n_pairs = n_rot / 2;
+    const __m256 sign = _mm256_set1_ps(-0.0f), half_v = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    const __m256 qmax = _mm256_set1_ps(127.0f), qmin = _mm256_set1_ps(-127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (std::uint32_t u = 0; u < n_units; ++u) {
+        // cos / sin of the unit's 16 pairs, each repeated for its two dimensions (pairs past
+        // n_rot: cos 1, sin 0, which leaves them as they are)
+        alignas(32) float cd[B], sd[B];
+        for (std::uint32_t k = 0; k < B / 2; ++k) {
+            const std::uint32_t i = u * (B / 2) + k;
+            cd[2 * k] = cd[2 * k + 1] = i < n_pairs ? cos_tab[i] : 1.0f;
+            sd[2 * k] = sd[2 * k + 1] = i < n_pairs ? sin_tab[i] : 0.0f;
+        }
+        block_q8_0* units = tile + std::size_t{u} * k_tile;
+        for (tile_mask bits = mask; bits != 0; bits &= bits - 1) {
+            block_q8_0& blk = units[static_cast<std::uint32_t>(std::countr_zero(bits))];
+            const __m256 d = _mm256_set1_ps(scalar::f16_to_f32(blk.d));
+            __m256 y[4];
+            __m256 amax = _mm256_setzero_ps();
+            for (int k = 0; k < 4; ++k) {
+                const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * k));
+                const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+                const __m256 xs = _mm256_permute_ps(x, 0xB1);  // partners: dims 2i <-> 2i + 1
+                const __m256 c = _mm256_load_ps(cd + 8 * k), sn = _mm256_load_ps(sd + 8 * k);
+                const __m256 even = _mm256_fmsub_ps(x, c, _mm256_mul_ps(xs, sn));  // x0 c - x1 s
+                const __m256 odd = _mm256_fmadd_ps(xs, sn, _mm256_mul_ps(x, c));   // x0 s + x1 c
+                y[k] = _mm256_blend_ps(even, odd, 0xAA);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, y[k]));
+            }
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+            const half hd = detail::block_scale(_mm_cvtss_f32(m), 127.0f);
+            const float dn = scalar::f16_to_f32(hd);
+            const __m256 id = _mm256_set1_ps(dn != 0.0f && std::isfinite(dn) ? 1.0f / dn : 0.0f);
+            __m256i q[4];
+            for (int k = 0; k < 4; ++k) {
+                const __m256 v = _mm256_mul_ps(y[k], id);
+                const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                const __m256 frac = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));  // exact
+                const __m256 up = _mm256_and_ps(_mm256_cmp_ps(frac, half_v, _CMP_GE_OQ),
+                                                _mm256_or_ps(one, _mm256_and_ps(sign, v)));  // +-1 away from zero
+                const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, up), qmin), qmax);
+                q[k] = _mm256_cvtps_epi32(r);  // integral already: exact
+            }
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            blk.d = hd;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+    return true;
+}
+#endif
+
 /// K-shift of one tile for an element without SIMD storage (the generic path): each row
 /// pair is converted with Element::to_float into a stack buffer, rotated by the same
 /// f32 code as the native path, and the moving cells are converted back with
@@ -123,6 +200,10 @@ inline void rotate_tile_converted(typename Element::storage_type* tile, std::uin
                                   const tile_rotation& rot, const float* cos_tab, const float* sin_tab) noexcept {
     using T = typename Element::storage_type;
     if constexpr (element_block_size_v<Element> > 1) {
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same_v<T, block_q8_0>)
+            if (rot.uniform && rotate_tile_q8_0_uniform(tile, n_rot, rot.mask, cos_tab, sin_tab)) return;
+#endif
         constexpr std::uint32_t B = element_block_size_v<Element>;
         static_assert(B == k_tile, "kvcache: the tiled layouts store block_size 1 or 32");
         const xsimd::batch_bool<float> keep[kshift_batches] = {};  // (unused: Partial = false)
