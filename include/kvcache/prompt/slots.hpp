@@ -66,7 +66,7 @@
 #include <concepts>     // std::convertible_to
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
-#include <exception>    // std::uncaught_exceptions
+#include <new>          // std::bad_alloc
 #include <optional>     // global cache
 #include <string>       // messages
 #include <type_traits>  // std::is_copy_constructible_v
@@ -312,17 +312,25 @@ public:
             return detail::make_error(errc::no_space, "slot_manager::prepare: every one of the " +
                                                           std::to_string(slots_.size()) + " slots is busy");
         slot& s = slots_[static_cast<std::size_t>(id)];
-        const seq_id_t seq = opt_.first_seq + id;
         // From here on the slot's sequence changes step by step (each step complete or
-        // nothing): if one throws (std::bad_alloc), the slot forgets its tokens, so that
-        // what its sequence holds then is never served; the next prepare recomputes.
-        struct forget_on_throw {
-            slot& s;
-            const int uncaught = std::uncaught_exceptions();
-            ~forget_on_throw() {
-                if (std::uncaught_exceptions() > uncaught) s.tokens.clear();
-            }
-        } guard{s};
+        // nothing): if an allocation fails (std::bad_alloc) in one, the slot forgets its
+        // tokens, so that what its sequence holds then is never served; the next prepare
+        // recomputes. (A refused plan throws kvcache::error with the slot's state in place.)
+        try {
+            return prepare_slot(request, ro, reuse_on, lost_invalid, id);
+        } catch (const std::bad_alloc&) {
+            s.tokens.clear();
+            throw;
+        }
+    }
+
+private:
+    /// prepare() once the slot is chosen (see there).
+    [[nodiscard]] result<prepared_request> prepare_slot(const prompt_tokens& request, const request_options& ro,
+                                                        bool reuse_on, std::size_t lost_invalid, int id) {
+        using std::to_string;
+        slot& s = slots_[static_cast<std::size_t>(id)];
+        const seq_id_t seq = opt_.first_seq + id;
         prepared_request out;
         out.slot = id;
         out.seq = seq;
@@ -443,6 +451,8 @@ public:
         last_ = out.metrics;
         return out;
     }
+
+public:
 
     /// The host computed every position of the prepared request into the slot's sequence:
     /// the slot's tokens become the request. Throws invalid_argument if the slot has no
