@@ -212,6 +212,60 @@ TEST_CASE("redis tier: server stopped or killed mid-run: misses within the timeo
 }
 
 TEST_SUITE("tier_redis_cluster") {
+TEST_CASE("redis tier: a blob longer than chunk_bytes is stored as chunks and a manifest") {
+#if !KVCACHE_HAS_REDIS_TIER
+    MESSAGE("SKIPPED: built without hiredis");
+#else
+    if (!redis_can_run()) return;
+    const std::string scratch = tiertest::tier_scratch_dir("redis_chunks");
+    tiertest::redis_server srv;
+    REQUIRE(tiertest::redis_start_any(srv, scratch, false));
+    tiertest::redis_raw raw(srv.port);
+    auto o = redis_opts(srv.port);
+    o.chunk_bytes = 256;
+    tier::redis_tier t(o);
+    std::vector<std::byte> blob(1000);
+    for (std::size_t i = 0; i < blob.size(); ++i) blob[i] = static_cast<std::byte>(i * 37 + 5);
+    tier::key k;
+    k.digest[3] = 42;
+    const std::string rk = "kvt:" + k.hex();
+    REQUIRE(t.put(k, blob));
+    t.sync();
+    CHECK(raw.cmd({"DBSIZE"}) == "5");  // 4 chunks (256, 256, 256, 232) + the manifest
+    CHECK(raw.cmd({"STRLEN", rk}) == "24");
+    CHECK(raw.cmd({"STRLEN", rk + "#3"}) == "232");
+    CHECK(raw.cmd({"GETRANGE", rk, "0", "3"}) == "KVRC");
+    CHECK(std::stoll(raw.cmd({"PTTL", rk + "#0"})) > 0);  // every chunk has the TTL
+    std::vector<std::byte> out;
+    CHECK(t.get(k, out));
+    CHECK(out == blob);
+
+    // A chunk of the wrong length, or a missing one, is a miss (never a short blob).
+    CHECK(raw.cmd({"SET", rk + "#2", "short"}) == "OK");
+    CHECK_FALSE(t.get(k, out));
+    CHECK(raw.cmd({"DEL", rk + "#2"}) == "1");
+    CHECK_FALSE(t.get(k, out));
+
+    // A blob of exactly chunk_bytes stays one value; erase removes a chunked entry's chunks.
+    tier::key k2;
+    k2.digest[3] = 43;
+    const std::vector<std::byte> one(256, std::byte{7});
+    REQUIRE(t.put(k2, one));
+    REQUIRE(t.put(k, blob));
+    t.sync();
+    CHECK(raw.cmd({"STRLEN", "kvt:" + k2.hex()}) == "256");
+    CHECK(t.get(k2, out));
+    CHECK(out == one);
+    CHECK(raw.cmd({"DBSIZE"}) == "6");
+    CHECK(t.erase(k));
+    CHECK(raw.cmd({"DBSIZE"}) == "1");
+    CHECK_FALSE(t.contains(k));
+    CHECK(t.contains(k2));
+    srv.stop();
+    tiertest::tier_remove_dir(scratch);
+#endif
+}
+
 TEST_CASE("redis cluster: CRC16 key slots (spec vectors, and the server's CLUSTER KEYSLOT)") {
 #if !KVCACHE_HAS_REDIS_TIER
     MESSAGE("SKIPPED: built without hiredis");
@@ -275,6 +329,18 @@ TEST_CASE("redis cluster: 3 nodes, slot map, MOVED and ASK redirects") {
             tiertest::redis_raw r(s.port);
             CHECK(std::stoi(r.cmd({"DBSIZE"})) > 5);  // spread over the three nodes
         }
+        // A chunked blob: each chunk goes to the node of its own key's slot.
+        auto oc = o;
+        oc.chunk_bytes = 64;
+        tier::redis_tier tc(oc);
+        std::vector<std::byte> big(2000);
+        for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::byte>(i * 11 + 1);
+        REQUIRE(tc.put(key_of(100), big));
+        CHECK(tc.get(key_of(100), out));
+        CHECK(out == big);
+        CHECK(tc.stats().put_failures == 0);
+        CHECK(tc.erase(key_of(100)));
+        CHECK_FALSE(tc.get(key_of(100), out));
     }
     {  // No slot map: every key is sent to the seed; the others answer MOVED, followed.
         auto o = redis_opts(n[1].port);

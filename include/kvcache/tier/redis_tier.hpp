@@ -7,7 +7,15 @@
 //
 // Values: one Redis string per entry, "<prefix><key hex>" -> blob, written with
 // SET key blob PX ttl_ms (ttl_ms = 0: no expiry; Redis's own maxmemory policy may also
-// evict: an evicted entry is a miss). Writes are pipelined: put() queues a SET and sends
+// evict: an evicted entry is a miss). A blob longer than chunk_bytes is stored as chunks
+// "<prefix><key hex>#<i>" (i = 0, 1, ...; each chunk_bytes long, the last shorter, each
+// routed by its own key in a cluster) written first, then under the entry's key a 24-byte
+// manifest ("KVRC", version 1, total bytes, chunk bytes; little-endian) that get() follows.
+// Chunks keep every buffer of the client (and the server's allocations) at chunk size: a
+// 32 MiB value costs several fresh 32 MiB buffers per call otherwise, and first-touch page
+// faults then dominate (measured: bench/README.md). A missing, expired or evicted chunk, or
+// one of the wrong length, is a miss; chunks of two writers mixed are caught by the blob's
+// checksum (tier_cache). Writes are pipelined: put() queues a SET and sends
 // the queue when it holds `pipeline` commands, before any read, and on sync(); a write
 // that fails later is counted (stats().put_failures), never reported to the caller, like
 // any cache write that is lost.
@@ -34,6 +42,7 @@
 #include <algorithm>    // std::min
 #include <array>        // slot map
 #include <cstdlib>      // std::atoi
+#include <cstring>      // std::memcpy (manifest)
 #include <initializer_list>  // command arguments
 #include <chrono>       // backoff
 #include <cstddef>      // std::byte, std::size_t
@@ -91,6 +100,7 @@ struct redis_tier_options {
     int backoff_min_ms = 100;
     int backoff_max_ms = 5000;
     std::size_t pipeline = 16;     ///< SETs queued before they are sent (1: each at once)
+    std::size_t chunk_bytes = std::size_t{1} << 20;  ///< blobs longer than this are stored in chunks (0: never)
     int max_redirects = 5;
 };
 
@@ -125,26 +135,37 @@ public:
     /// or on sync(). Error io_error only when the node is down now.
     result<void> put(const key& k, std::span<const std::byte> blob) {
         const std::string rk = opt_.prefix + k.hex();
-        node* n = route(rk);
-        if (n == nullptr || !usable(*n)) {
-            ++stats_.put_failures;
-            return kvcache::detail::make_error(errc::io_error, "redis_tier::put: node down (backing off)");
+        if (opt_.chunk_bytes > 0 && blob.size() > opt_.chunk_bytes) {  // chunks first, the manifest last
+            const std::size_t n_chunks = (blob.size() + opt_.chunk_bytes - 1) / opt_.chunk_bytes;
+            for (std::size_t i = 0; i < n_chunks; ++i) {
+                const std::size_t at = i * opt_.chunk_bytes;
+                if (!enqueue(rk + "#" + std::to_string(i), blob.subspan(at, std::min(opt_.chunk_bytes, blob.size() - at))))
+                    return down_error();
+            }
+            sync();  // every chunk sent before the manifest that points at them
+            const manifest m = make_manifest(blob.size());
+            if (!enqueue(rk, std::span<const std::byte>(m.data(), m.size()))) return down_error();
+        } else if (!enqueue(rk, blob)) {
+            return down_error();
         }
-        n->queue.push_back(pending{rk, std::vector<std::byte>(blob.begin(), blob.end())});
         ++stats_.puts;
-        if (n->queue.size() >= opt_.pipeline) send_queue(*n);
         return {};
     }
     bool get(const key& k, std::vector<std::byte>& out) {
         ++stats_.gets;
         const std::string rk = opt_.prefix + k.hex();
         redisReply* r = command(rk, {"GET", rk});
-        const bool hit = r != nullptr && r->type == REDIS_REPLY_STRING;
-        if (hit) {
+        bool hit = r != nullptr && r->type == REDIS_REPLY_STRING;
+        std::size_t total = 0, chunk = 0;
+        if (hit && read_manifest(r, total, chunk)) {
+            freeReplyObject(r);
+            r = nullptr;
+            hit = get_chunks(rk, total, chunk, out);
+        } else if (hit) {
             const auto* p = reinterpret_cast<const std::byte*>(r->str);
             out.assign(p, p + r->len);
-            ++stats_.get_hits;
         }
+        if (hit) ++stats_.get_hits;
         if (r != nullptr) freeReplyObject(r);
         return hit;
     }
@@ -157,6 +178,15 @@ public:
     }
     bool erase(const key& k) {
         const std::string rk = opt_.prefix + k.hex();
+        if (redisReply* g = command(rk, {"GET", rk}); g != nullptr) {  // a manifest: its chunks go first
+            std::size_t total = 0, chunk = 0;
+            const bool chunked = g->type == REDIS_REPLY_STRING && read_manifest(g, total, chunk);
+            freeReplyObject(g);
+            for (std::size_t i = 0; chunked && i * chunk < total; ++i) {
+                const std::string ck = rk + "#" + std::to_string(i);
+                if (redisReply* d = command(ck, {"DEL", ck}); d != nullptr) freeReplyObject(d);
+            }
+        }
         redisReply* r = command(rk, {"DEL", rk});
         const bool yes = r != nullptr && r->type == REDIS_REPLY_INTEGER && r->integer == 1;
         if (r != nullptr) freeReplyObject(r);
@@ -190,6 +220,60 @@ private:
         }
     };
 
+    using manifest = std::array<std::byte, 24>;
+    static constexpr char manifest_magic[4] = {'K', 'V', 'R', 'C'};
+
+    manifest make_manifest(std::size_t total) const noexcept {
+        manifest m{};
+        const std::uint32_t version = 1;
+        const std::uint64_t t = total, c = opt_.chunk_bytes;
+        std::memcpy(m.data(), manifest_magic, 4);
+        std::memcpy(m.data() + 4, &version, 4);  // little-endian hosts (x86-64, AArch64)
+        std::memcpy(m.data() + 8, &t, 8);
+        std::memcpy(m.data() + 16, &c, 8);
+        return m;
+    }
+    /// Whether reply r is a manifest (then total and chunk are its fields).
+    static bool read_manifest(const redisReply* r, std::size_t& total, std::size_t& chunk) noexcept {
+        if (r->len != sizeof(manifest) || std::memcmp(r->str, manifest_magic, 4) != 0) return false;
+        std::uint32_t version = 0;
+        std::uint64_t t = 0, c = 0;
+        std::memcpy(&version, r->str + 4, 4);
+        std::memcpy(&t, r->str + 8, 8);
+        std::memcpy(&c, r->str + 16, 8);
+        if (version != 1 || c == 0 || t <= c || t / c > (std::uint64_t{1} << 24)) return false;
+        total = static_cast<std::size_t>(t);
+        chunk = static_cast<std::size_t>(c);
+        return true;
+    }
+    /// Reads the chunks of a manifest's entry into out; false (a miss) when one is missing
+    /// or has the wrong length.
+    bool get_chunks(const std::string& rk, std::size_t total, std::size_t chunk, std::vector<std::byte>& out) {
+        out.resize(total);
+        for (std::size_t i = 0, at = 0; at < total; ++i, at += chunk) {
+            const std::string ck = rk + "#" + std::to_string(i);
+            redisReply* r = command(ck, {"GET", ck});
+            const std::size_t want = std::min(chunk, total - at);
+            const bool good = r != nullptr && r->type == REDIS_REPLY_STRING && static_cast<std::size_t>(r->len) == want;
+            if (good) std::memcpy(out.data() + at, r->str, want);
+            if (r != nullptr) freeReplyObject(r);
+            if (!good) return false;
+        }
+        return true;
+    }
+    /// Queues SET rk value on rk's node; false when the node is down.
+    bool enqueue(const std::string& rk, std::span<const std::byte> value) {
+        node* n = route(rk);
+        if (n == nullptr || !usable(*n)) return false;
+        n->queue.push_back(pending{rk, std::vector<std::byte>(value.begin(), value.end())});
+        if (n->queue.size() >= opt_.pipeline) send_queue(*n);
+        return true;
+    }
+    result<void> down_error() {
+        ++stats_.put_failures;
+        return kvcache::detail::make_error(errc::io_error, "redis_tier::put: node down (backing off)");
+    }
+
     static timeval tv_of(int ms) noexcept { return timeval{ms / 1000, static_cast<suseconds_t>((ms % 1000) * 1000)}; }
 
     node* node_of(const std::string& host, int port) {
@@ -216,6 +300,7 @@ private:
             fail(n);
             return false;
         }
+        n.ctx->reader->maxbuf = 0;  // keep the read buffer between replies (a chunk each): no regrowth
         return true;
     }
     /// The call on n failed: close, back off.
@@ -349,6 +434,13 @@ private:
             const char* argv[5] = {"SET", p.key.data(), reinterpret_cast<const char*>(p.blob.data()), "PX", ttl.c_str()};
             const std::size_t len[5] = {3, p.key.size(), p.blob.size(), 2, ttl.size()};
             redisAppendCommandArgv(n.ctx, opt_.ttl_ms > 0 ? 5 : 3, argv, len);
+            // Written at once, so the output buffer never holds more than one value.
+            for (int done = 0; done == 0;)
+                if (redisBufferWrite(n.ctx, &done) != REDIS_OK) {
+                    stats_.put_failures += q.size();
+                    fail(n);
+                    return;
+                }
         }
         for (std::size_t i = 0; i < q.size(); ++i) {
             void* raw = nullptr;
