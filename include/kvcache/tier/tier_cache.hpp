@@ -30,6 +30,8 @@
 #include <vector>       // keys, blob scratch
 
 #include "../error.hpp"
+#include "../io/hybrid.hpp"     // io::save_seq / load_seq of hybrid_memory
+#include "../io/recurrent.hpp"  // ... and of recurrent_memory
 #include "../io/state.hpp"
 #include "../memory/memory.hpp"
 #include "../memory/recurrent.hpp"
