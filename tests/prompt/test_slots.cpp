@@ -234,6 +234,11 @@ TEST_CASE("slots: shared_store global cache shares cells with the slot instead o
     CHECK(r.metrics.from_global == 300);
     CHECK(r.metrics.computed == 3);
     CHECK(cache.used() == 301 + 4);  // slot 1 added only its own new cells
+    // Storage tiers need a scratch sequence the entry store does not reserve.
+    kvcache::tier::tier_cache<cache_t, kvcache::tier::memory_tier> tiers({}, kvcache::tier::memory_tier());
+    CHECK_THROWS_WITH_AS(slots.attach_tiers(tiers, {.scratch_seq = 5}), doctest::Contains("reserved by the entry store"),
+                         kvcache::error);
+    CHECK_FALSE(slots.has_tiers());
 }
 
 TEST_CASE("slots: paged layout: a shared_store hit shares blocks, a copy_store hit copies them") {

@@ -31,6 +31,14 @@
 // not make room, nothing is evicted and the host's placement meets no_space. Counted:
 // prompt-cache `evictions`, slot_states_evicted, room_refused.
 //
+// Storage tiers (attach_tiers, tier/tier_cache.hpp: memory -> disk -> Redis under the
+// global prompt cache): release() publishes the slot's tokens after the global save;
+// prepare() asks the tiers for a longer prefix than the plan kept (loaded into a reserved
+// scratch sequence, then shared with the slot's), before room is made. Another process or
+// a restarted one sharing the tiers (a disk directory, a Redis server) so starts from the
+// K/V this one computed (request_metrics::from_tier, prefix-cache hits source="tier").
+// One scrape text with both counter sets: to_prometheus_all().
+//
 // Allocation failure (std::bad_alloc; tests/fault_injection/fault_injection_prompt.cpp):
 // commit_prompt, append, save_checkpoint and clear_slot complete or change nothing.
 // prepare and release are sequences of such steps: when one throws, nothing is ever
