@@ -30,7 +30,7 @@ kvcache::prepared_request run(Slots& slots, Cache& cache, const prompt_tokens& r
                               int n_gen = 1, bool context_free = false) {
     auto p = slots.prepare(req, ro).value();
     REQUIRE(p.n_past <= p.n_request);
-    REQUIRE(p.metrics.from_slot + p.metrics.from_global + p.metrics.from_shift + p.metrics.computed == req.size());
+    REQUIRE(p.metrics.hit_tokens() + p.metrics.computed == req.size());
     toy::fill(cache, p.seq, req, p.n_past, p.n_request, context_free);
     slots.commit_prompt(p.slot);
     for (int g = 0; g < n_gen; ++g) {
@@ -184,6 +184,22 @@ TEST_CASE("slots F20: chunk_shift moves a >= 32-token chunk into place") {
     CHECK(r.metrics.from_shift == 40);
     CHECK(r.metrics.computed == 5);
     CHECK(!cache.has_shift());  // prepare applied the K-shift
+    // A storage tier holding more than the chunk plan gives replaces the plan.
+    kvcache::tier::tier_cache<cache_t, kvcache::tier::memory_tier> tiers({.block_tokens = 16}, kvcache::tier::memory_tier());
+    kvcache::slot_manager<cache_t> other(cache, {.n_slots = 1, .first_seq = 1});
+    other.attach_tiers(tiers, {.scratch_seq = 7});
+    const prompt_tokens R = cat(cat(A, B), toy::text(5, 3000));
+    CHECK(run(other, cache, R, {}, 0, true).n_past == 0);  // published on release
+    slots.attach_tiers(tiers, {.scratch_seq = 6});
+    CHECK(run(slots, cache, cat(cat(A, X), B), {}, 0, true).metrics.from_tier == 0);  // keys of R only at 144
+    const auto t = run(slots, cache, R, {.slot_id = 0}, 0, true);
+    CHECK(t.n_past == 144);      // the plan gave 100 + 40 shifted, the tier 144
+    CHECK(t.metrics.from_slot == 100);
+    CHECK(t.metrics.from_shift == 0);
+    CHECK(t.metrics.from_tier == 44);
+    CHECK(!t.k_shift_pending);
+    CHECK(t.plan.moves.empty());
+    CHECK(slots.metrics().hit_tokens_tier == 44);
 }
 
 TEST_CASE("slots F23: SWA checkpoints: restore the newest at or below n_past, else recompute") {
@@ -234,6 +250,11 @@ TEST_CASE("slots: shared_store global cache shares cells with the slot instead o
     CHECK(r.metrics.from_global == 300);
     CHECK(r.metrics.computed == 3);
     CHECK(cache.used() == 301 + 4);  // slot 1 added only its own new cells
+    // Storage tiers need a scratch sequence the entry store does not reserve.
+    kvcache::tier::tier_cache<cache_t, kvcache::tier::memory_tier> tiers({}, kvcache::tier::memory_tier());
+    CHECK_THROWS_WITH_AS(slots.attach_tiers(tiers, {.scratch_seq = 5}), doctest::Contains("reserved by the entry store"),
+                         kvcache::error);
+    CHECK_FALSE(slots.has_tiers());
 }
 
 TEST_CASE("slots: paged layout: a shared_store hit shares blocks, a copy_store hit copies them") {
