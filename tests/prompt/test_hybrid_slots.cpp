@@ -104,7 +104,7 @@ template <class Slots, class M>
 kvcache::prepared_request hybslot_run(Slots& slots, M& mem, const prompt_tokens& req, kvcache::request_options ro = {},
                                       bool save = true) {
     auto p = slots.prepare(req, ro).value();
-    REQUIRE(p.metrics.from_slot + p.metrics.from_global + p.metrics.computed == req.size());
+    REQUIRE(p.metrics.hit_tokens() + p.metrics.computed == req.size());
     REQUIRE(mem.seq_pos_max(p.seq) == static_cast<pos_t>(p.n_past) - 1);
     std::size_t at = p.n_past;
     for (std::uint32_t b : p.checkpoints) {
@@ -176,6 +176,40 @@ TEST_CASE("hybrid slots: checkpoints serve exact repeats and shorter prefixes; n
     CHECK(!r.metrics.checkpoint_restored);
     CHECK(bare.metrics().misses_for(kvcache::miss_reason::no_checkpoint) == 1);
     CHECK(kvcache::to_prometheus(bare.metrics()).find("reason=\"no_checkpoint\"} 1") != std::string::npos);
+}
+
+TEST_CASE("hybrid slots + storage tiers: only a blob whose whole state fits the request is taken") {
+    using chain = kvcache::tier::tier_cache<hyb_global_t, kvcache::tier::memory_tier>;
+    static_assert(!chain::can_cut);
+    chain tc({.block_tokens = 8}, kvcache::tier::memory_tier());
+    const prompt_tokens a = toy::text(40);
+    {  // one engine serves `a` and publishes its state on release
+        hyb_global_t m1 = hybslot_make<hyb_global_t>(4);
+        kvcache::slot_manager<hyb_global_t> s1(m1, {.n_slots = 2, .checkpoint_every = 16});
+        s1.attach_tiers(tc, {.scratch_seq = 3});
+        CHECK(hybslot_run(s1, m1, a).n_past == 0);
+        REQUIRE(tc.metrics().published == 1);
+    }
+    {  // another engine: an exact repeat may keep 39 positions; the 40-position state cannot be cut: a miss, not a refusal
+        hyb_global_t m2 = hybslot_make<hyb_global_t>(4);
+        kvcache::slot_manager<hyb_global_t> s2(m2, {.n_slots = 2, .checkpoint_every = 16});
+        s2.attach_tiers(tc, {.scratch_seq = 3});
+        const auto r = hybslot_run(s2, m2, a);
+        CHECK(r.n_past == 0);
+        CHECK(r.metrics.from_tier == 0);
+        CHECK(tc.metrics().fetch_hits == 0);
+        CHECK(tc.metrics().tiers[0].refused_for(kvcache::tier::refusal::load) == 0);
+    }
+    // a third: `a` and 3 more tokens: the whole state fits, taken (compared with a cold run)
+    hyb_global_t mem = hybslot_make<hyb_global_t>(4);
+    kvcache::slot_manager<hyb_global_t> slots(mem, {.n_slots = 2, .checkpoint_every = 16});
+    slots.attach_tiers(tc, {.scratch_seq = 3});
+    const auto r = hybslot_run(slots, mem, toy::cat(a, toy::text(3, 500)));
+    CHECK(r.n_past == 40);
+    CHECK(r.metrics.from_tier == 40);
+    CHECK(r.metrics.tier == 0);
+    CHECK(mem.seq_pos_max(3) < 0);
+    CHECK(slots.metrics().hit_tokens_tier == 40);
 }
 
 TEST_CASE("hybrid slots: checkpoints bounded in number and bytes per slot, oldest dropped, counted") {

@@ -270,7 +270,7 @@ public:
         std::uint64_t generation = 0;
     };
 
-    shared_store(seq_id_t first_seq, std::uint32_t n_seq) {
+    shared_store(seq_id_t first_seq, std::uint32_t n_seq) : first_(first_seq), n_(n_seq) {
         if (first_seq < 0) detail::fail(errc::invalid_argument, "shared_store: first_seq = " + std::to_string(first_seq) + ", must be >= 0");
         for (std::uint32_t i = n_seq; i > 0; --i) free_.push_back(first_seq + static_cast<seq_id_t>(i - 1));
     }
@@ -322,8 +322,12 @@ public:
     }
     /// Reserved sequence ids not holding an entry.
     [[nodiscard]] std::size_t n_free() const noexcept { return free_.size(); }
+    /// Whether sequence id s is reserved for entries.
+    [[nodiscard]] bool reserves(seq_id_t s) const noexcept { return s >= first_ && std::int64_t{s} < std::int64_t{first_} + n_; }
 
 private:
+    seq_id_t first_;
+    std::uint32_t n_;
     std::vector<seq_id_t> free_;  // reserved ids without an entry
 };
 

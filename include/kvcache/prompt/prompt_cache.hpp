@@ -117,10 +117,13 @@ struct prefix_cache_metrics {
     // --- requests (slot_manager::prepare) ---
     std::uint64_t requests = 0;           ///< requests prepared
     std::uint64_t query_tokens = 0;       ///< request tokens of those requests
-    std::uint64_t hit_tokens = 0;         ///< tokens reused = hit_tokens_slot + _global + _shifted
+    std::uint64_t hit_tokens = 0;         ///< tokens reused = hit_tokens_slot + _global + _shifted + _tier
     std::uint64_t hit_tokens_slot = 0;    ///< exact-prefix tokens kept from the slot's own state
     std::uint64_t hit_tokens_global = 0;  ///< exact-prefix tokens kept from a global cache entry
     std::uint64_t hit_tokens_shifted = 0; ///< approximate hits: chunks moved into place (chunk_shift, F20)
+    std::uint64_t hit_tokens_tier = 0;    ///< exact-prefix tokens loaded from a storage tier (slot_manager::attach_tiers)
+    std::uint64_t tier_fetch_errors = 0;    ///< tier fetches in prepare that threw (std::bad_alloc); the request went on without
+    std::uint64_t tier_publish_errors = 0;  ///< tier publishes in release that threw; the release completed
     std::uint64_t misses[n_miss_reasons] = {};  ///< requests per miss_reason (index: the enum value; [0] unused)
     std::uint64_t slot_states_invalidated = 0;  ///< slot states dropped because their cells changed
     std::uint64_t slot_states_evicted = 0;  ///< idle slot states dropped to make room for a request (blocks on paged)
@@ -233,10 +236,11 @@ inline std::string to_prometheus(const prefix_cache_metrics& m, std::string_view
         m.query_tokens);
     head("prefix_cache_hits_total", "counter",
          "Request tokens reused instead of computed (vLLM prefix_cache_hits), by source: exact prefix kept from the "
-         "slot, exact prefix from a global cache entry, approximate (chunk-shifted).");
+         "slot, exact prefix from a global cache entry, approximate (chunk-shifted), exact prefix from a storage tier.");
     sample("prefix_cache_hits_total", "source=\"slot\"", m.hit_tokens_slot);
     sample("prefix_cache_hits_total", "source=\"global\"", m.hit_tokens_global);
     sample("prefix_cache_hits_total", "source=\"shifted\"", m.hit_tokens_shifted);
+    sample("prefix_cache_hits_total", "source=\"tier\"", m.hit_tokens_tier);
     head("prefix_cache_misses_total", "counter", "Requests that reused less than they could have, by reason.");
     for (std::size_t r = 1; r < n_miss_reasons; ++r)
         sample("prefix_cache_misses_total", std::string("reason=\"") + to_string(static_cast<miss_reason>(r)) + '"',
@@ -253,6 +257,10 @@ inline std::string to_prometheus(const prefix_cache_metrics& m, std::string_view
         "Checkpoints dropped by the per-slot number or byte limit, oldest first.", m.checkpoints_dropped);
     one("prefix_cache_checkpoints_restored_total", "counter", "Requests that resumed from a checkpoint.",
         m.checkpoints_restored);
+    head("prefix_cache_tier_errors_total", "counter",
+         "Storage-tier calls of the slot manager that threw (fetch in prepare, publish in release); the request went on.");
+    sample("prefix_cache_tier_errors_total", "op=\"fetch\"", m.tier_fetch_errors);
+    sample("prefix_cache_tier_errors_total", "op=\"publish\"", m.tier_publish_errors);
     one("prompt_cache_lookups_total", "counter", "Lookups of the global prompt cache.", m.queries);
     one("prompt_cache_loads_total", "counter", "Global prompt cache entries loaded into a slot.", m.hits);
     one("prompt_cache_load_failures_total", "counter", "Selected entries whose load failed.", m.load_failures);

@@ -68,6 +68,7 @@
 #include <cstdint>      // fixed-width integers
 #include <new>          // std::bad_alloc
 #include <optional>     // global cache
+#include <span>         // Prometheus labels
 #include <string>       // messages
 #include <type_traits>  // std::is_copy_constructible_v
 #include <utility>      // std::move
@@ -90,6 +91,7 @@
 #include "entry_store.hpp"
 #include "prompt_cache.hpp"
 #include "state_store.hpp"
+#include "../tier/tier_cache.hpp"
 #include "../tokens/prompt_tokens.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -130,18 +132,33 @@ struct request_options {
     std::vector<std::uint32_t> checkpoint_at{};
 };
 
+/// Options of slot_manager::attach_tiers (the storage tiers under the slots and the global
+/// prompt cache: tier/tier_cache.hpp).
+struct tier_hook_options {
+    /// A sequence id the slots and the entry store never use, reserved for tier loads
+    /// (required; attach_tiers refuses one that collides or is out of range).
+    seq_id_t scratch_seq = -1;
+    bool publish_on_release = true;  ///< release() offers the slot's tokens to the tiers (after the global save)
+    bool fetch_on_prepare = true;    ///< prepare() asks the tiers for a longer prefix than it kept
+};
+
 /// Where a request's tokens came from (vLLM's meaning: query_tokens = n_request, hit_tokens
-/// = tokens reused = from_slot + from_global + from_shift = n_past; computed = the rest).
+/// = tokens reused = from_slot + from_global + from_shift + from_tier = n_past; computed =
+/// the rest).
 struct request_metrics {
     std::uint32_t n_request = 0;    ///< request positions (the request's query_tokens)
     std::uint32_t from_slot = 0;    ///< exact prefix kept from the slot's own state
     std::uint32_t from_global = 0;  ///< exact prefix kept from a global prompt cache entry
     std::uint32_t from_shift = 0;   ///< approximate: moved into place by chunk shifting
+    /// Exact prefix loaded from a storage tier beyond what the slot or entry gave
+    /// (slot_manager::attach_tiers); from_slot / from_global keep what they gave.
+    std::uint32_t from_tier = 0;
+    int tier = -1;                  ///< index of the tier in the chain that served from_tier (-1: none)
     std::uint32_t computed = 0;     ///< the host must compute these
     bool checkpoint_restored = false;  ///< a checkpoint (SWA, F23, or recurrent state) was loaded
     miss_reason miss = miss_reason::none;  ///< why less was reused than could have been (none: nothing lost)
     /// Tokens reused (not computed).
-    [[nodiscard]] std::uint32_t hit_tokens() const noexcept { return from_slot + from_global + from_shift; }
+    [[nodiscard]] std::uint32_t hit_tokens() const noexcept { return from_slot + from_global + from_shift + from_tier; }
 };
 
 /// The answer of slot_manager::prepare.
@@ -257,6 +274,9 @@ public:
         m.hit_tokens_slot = counters_.hit_tokens_slot;
         m.hit_tokens_global = counters_.hit_tokens_global;
         m.hit_tokens_shifted = counters_.hit_tokens_shifted;
+        m.hit_tokens_tier = counters_.hit_tokens_tier;
+        m.tier_fetch_errors = counters_.tier_fetch_errors;
+        m.tier_publish_errors = counters_.tier_publish_errors;
         for (std::size_t r = 0; r < n_miss_reasons; ++r) m.misses[r] = counters_.misses[r];
         m.slot_states_invalidated = counters_.slot_states_invalidated;
         m.slot_states_evicted = counters_.slot_states_evicted;
@@ -265,6 +285,77 @@ public:
         m.checkpoints_dropped = counters_.checkpoints_dropped;
         m.checkpoints_restored = counters_.checkpoints_restored;
         return m;
+    }
+
+    /// Attaches a chain of storage tiers, a tier::tier_cache<Cache, Tiers...> (it must
+    /// outlive the manager or be detached; one chain at a time, a second attach replaces
+    /// the first). From then on, for requests with cache_prompt:
+    ///  - prepare(), once the reuse plan is executed (slot prefix, global entry, chunk
+    ///    shift, checkpoint) and before room is made, asks the tiers for a longer prefix
+    ///    when fewer than n_request - 1 positions are kept (tier_cache::fetch into
+    ///    o.scratch_seq, capped at n_request - 1 so the last position is computed, salt =
+    ///    request_options::salt). A longer hit replaces the sequence (request_metrics::
+    ///    from_tier, tier; a replaced chunk-shift plan reports from_shift = 0 and the
+    ///    prepared plan becomes a plain prefix of n_past); a shorter one is not taken. A
+    ///    fetch that fails (a refused blob, counted by the tier chain; no free cells for the
+    ///    load: idle states are not evicted for it) or throws std::bad_alloc (counted:
+    ///    tier_fetch_errors) leaves the slot as the plan left it.
+    ///  - release(), after the global save, publishes the slot's tokens to the tiers
+    ///    (tier_cache::publish, the slot's salt). A publish that throws is counted
+    ///    (tier_publish_errors) and the release completes.
+    /// Memories with recurrent state (recurrent_memory, hybrid_memory) take only tier blobs
+    /// whose whole length fits the request (tier_cache::can_cut). Without a global prompt
+    /// cache (reuse::lcp, reuse::none) the tiers are the only cache shared by the slots.
+    /// Throws invalid_argument when o.scratch_seq is outside [0, n_seq_max), is a slot's
+    /// sequence, is reserved by the entry store (shared_store) or holds positions now.
+    template <class TierCache>
+    void attach_tiers(TierCache& tiers, tier_hook_options o) {
+        static_assert(requires { typename TierCache::memory_type; } &&
+                          std::same_as<typename TierCache::memory_type, Cache>,
+                      "kvcache: slot_manager<Cache>::attach_tiers needs a tier::tier_cache<Cache, ...> of the same Cache");
+        using std::to_string;
+        const seq_id_t sc = o.scratch_seq;
+        if (sc < 0 || std::uint64_t(sc) >= cache_->n_seq_max())
+            detail::fail(errc::invalid_argument, "slot_manager::attach_tiers: scratch_seq = " + to_string(sc) +
+                                                     ", must be in [0, n_seq_max = " + to_string(cache_->n_seq_max()) + ")");
+        if (sc >= opt_.first_seq && std::int64_t{sc} < std::int64_t{opt_.first_seq} + n_slots())
+            detail::fail(errc::invalid_argument, "slot_manager::attach_tiers: scratch_seq = " + to_string(sc) +
+                                                     " is the sequence of slot " + to_string(sc - opt_.first_seq));
+        if constexpr (requires(const Store& st) { st.reserves(sc); })
+            if (store().reserves(sc))
+                detail::fail(errc::invalid_argument, "slot_manager::attach_tiers: scratch_seq = " + to_string(sc) +
+                                                         " is reserved by the entry store (shared_store)");
+        if (cache_->seq_pos_max(sc) >= 0)
+            detail::fail(errc::invalid_argument, "slot_manager::attach_tiers: scratch_seq = " + to_string(sc) +
+                                                     " holds positions (the host or an entry uses it)");
+        tiers_.obj = &tiers;
+        tiers_.opt = o;
+        tiers_.fetch = [](void* t, Cache& c, seq_id_t dst, const prompt_tokens& req, std::uint64_t salt,
+                          std::size_t max_tokens) { return static_cast<TierCache*>(t)->fetch(c, dst, req, salt, max_tokens); };
+        tiers_.publish = [](void* t, const Cache& c, seq_id_t seq, const prompt_tokens& tok, std::uint64_t salt) {
+            static_cast<void>(static_cast<TierCache*>(t)->publish(c, seq, tok, salt));
+        };
+        tiers_.metrics = [](void* t) { return static_cast<TierCache*>(t)->metrics(); };
+    }
+    /// Detaches the tier chain (prepare and release no longer call it).
+    void detach_tiers() noexcept { tiers_ = tier_hook{}; }
+    /// Whether a tier chain is attached.
+    [[nodiscard]] bool has_tiers() const noexcept { return tiers_.obj != nullptr; }
+
+    /// The one text a host scrapes: to_prometheus(metrics(), prefix, labels) followed, when
+    /// tiers are attached, by tier::to_prometheus of the tier chain's metrics (same prefix
+    /// and labels; its names are <prefix>_tier_*, none shared with the prefix-cache ones).
+    /// Throws invalid_argument for an invalid prefix or label name, and, with tiers, for a
+    /// label value that would need escaping (backslash, quote, newline).
+    [[nodiscard]] std::string to_prometheus_all(std::string_view prefix = "kvcache",
+                                                std::span<const metric_label> labels = {}) const {
+        std::string out = kvcache::to_prometheus(metrics(), prefix, labels);
+        if (tiers_.obj != nullptr) {
+            std::vector<std::pair<std::string, std::string>> l;
+            for (const metric_label& x : labels) l.emplace_back(x.name, x.value);
+            out += tier::to_prometheus(tiers_.metrics(tiers_.obj), prefix, l);
+        }
+        return out;
     }
 
     /// Picks a slot for `request` and makes its sequence hold the longest reusable prefix:
@@ -295,6 +386,10 @@ public:
         const bool reuse_on = ro.cache_prompt;
         if (ro.slot_id >= 0 && slots_[check_slot("prepare", ro.slot_id)].busy)
             detail::fail(errc::invalid_argument, "slot_manager::prepare: slot_id = " + std::to_string(ro.slot_id) + " is busy");
+        if (reuse_on && tiers_.obj != nullptr && tiers_.opt.fetch_on_prepare && cache_->seq_pos_max(tiers_.opt.scratch_seq) >= 0)
+            detail::fail(errc::invalid_argument, "slot_manager::prepare: the tier scratch sequence " +
+                                                     std::to_string(tiers_.opt.scratch_seq) +
+                                                     " holds positions; it is reserved for tier loads");
         // Entries that cannot lie: idle states whose cells changed under them are dropped.
         std::size_t lost_invalid = 0;  // longest prefix of the request such a state held
         for (std::size_t i = 0; i < slots_.size(); ++i) {
@@ -420,21 +515,42 @@ private:
         if constexpr (Cache::can_shift && !std::same_as<Cache, recurrent_memory>)  // a state has no K to rotate
             if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
         // The reuse stopped at a media position of both the request and its source.
-        const bool media_stop = plan.n_past < source->size() && (*source)[plan.n_past] == null_token &&
-                                request.chunk_at(plan.n_past) != nullptr;
+        bool media_stop = plan.n_past < source->size() && (*source)[plan.n_past] == null_token &&
+                          request.chunk_at(plan.n_past) != nullptr;
+        const std::uint32_t planned_past = plan.n_past;  // what the slot / entry gave
+        std::uint32_t kept = plan.n_past - plan.n_shifted();
+        std::uint32_t shifted = plan.n_shifted();
+        // Storage tiers (attach_tiers): a longer prefix replaces the sequence.
+        if (reuse_on && tiers_.obj != nullptr && tiers_.opt.fetch_on_prepare && std::size_t{plan.n_past} + 1 < request.size()) {
+            int tier_index = -1;
+            const std::uint32_t n = tier_fetch(seq, plan.n_past, request, ro.salt, tier_index);
+            if (n != plan.n_past) {  // replaced (or, a copy refused on a recurrent state, lost)
+                if (n < plan.n_past) {
+                    drop_state(s, seq);
+                    kept = 0;
+                } else {
+                    out.metrics.from_tier = n - kept;
+                    out.metrics.tier = tier_index;
+                }
+                shifted = 0;
+                media_stop = false;
+                plan = reuse::plan{};
+                plan.n_request = out.n_request;
+                plan.n_lcp = plan.n_past = n;
+            }
+        }
         s.tokens = request;
         s.tokens.keep_first(plan.n_past);
         std::erase_if(s.checkpoints, [&](checkpoint& ck) {
-            if (ck.pos_max < static_cast<pos_t>(plan.n_past)) return false;
+            if (ck.pos_max < static_cast<pos_t>(std::min(planned_past, plan.n_past))) return false;
             store().release(*cache_, ck.state);
             return true;
         });
         make_room(plan.n_compute(), id);
         if (opt_.n_swa > 0 || has_recurrent_state) out.checkpoints = checkpoint_schedule(request, plan.n_past, ro);
 
-        const std::uint32_t kept = plan.n_past - plan.n_shifted();
         (from_global ? out.metrics.from_global : out.metrics.from_slot) = kept;
-        out.metrics.from_shift = plan.n_shifted();
+        out.metrics.from_shift = shifted;
         out.metrics.computed = plan.n_compute();
         out.metrics.miss = miss_of(request, plan.n_past, load_failed, lost_invalid, swa_cut, lost_salt, media_stop,
                                    reuse_on, ro.salt);
@@ -553,6 +669,14 @@ public:
                     cks = s.checkpoints;
                 global_->save(*cache_, seq, s.tokens,
                               {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
+            }
+        }
+        // The storage tiers (attach_tiers) after the global save; best effort.
+        if (tiers_.obj != nullptr && tiers_.opt.publish_on_release && s.opts.cache_prompt && !s.tokens.empty()) {
+            try {
+                tiers_.publish(tiers_.obj, *cache_, seq, s.tokens, s.salt);
+            } catch (const std::exception&) {  // std::bad_alloc, a tier's own error: the slot is not lost
+                ++counters_.tier_publish_errors;
             }
         }
         // Idle only once the save is done: when it throws (std::bad_alloc) the slot stays
@@ -748,6 +872,7 @@ private:
         counters_.hit_tokens_slot += m.from_slot;
         counters_.hit_tokens_global += m.from_global;
         counters_.hit_tokens_shifted += m.from_shift;
+        counters_.hit_tokens_tier += m.from_tier;
         if (m.miss != miss_reason::none) ++counters_.misses[static_cast<std::size_t>(m.miss)];
         if (m.checkpoint_restored) ++counters_.checkpoints_restored;
     }
@@ -912,6 +1037,58 @@ private:
     std::uint64_t clock_ = 0;
     request_metrics last_;
     prefix_cache_metrics counters_;  // request and token counters (the entry counters live in global_)
+
+    /// The attached tier chain, its type erased (attach_tiers).
+    struct tier_hook {
+        void* obj = nullptr;
+        tier_hook_options opt{};
+        tier::fetch_info (*fetch)(void*, Cache&, seq_id_t, const prompt_tokens&, std::uint64_t, std::size_t) = nullptr;
+        void (*publish)(void*, const Cache&, seq_id_t, const prompt_tokens&, std::uint64_t) = nullptr;
+        tier::tier_cache_metrics (*metrics)(void*) = nullptr;
+    };
+    tier_hook tiers_;
+
+    /// Sequence seq holds the first `have` positions of the request (what the plan kept).
+    /// Fetches the request from the tiers into the scratch sequence and, when they give
+    /// more, makes seq hold those instead (tier_index: the tier). Returns the positions seq
+    /// holds: have on a miss, a shorter hit, a refused copy (the slot's cells put back) or
+    /// std::bad_alloc (counted); 0 only on a memory whose cells cannot be put back
+    /// (recurrent_memory) when the copy is refused. The scratch sequence is empty afterwards.
+    std::uint32_t tier_fetch(seq_id_t seq, std::uint32_t have, const prompt_tokens& request, std::uint64_t salt,
+                             int& tier_index) {
+        const seq_id_t sc = tiers_.opt.scratch_seq;
+        std::uint32_t out = have;
+        [[maybe_unused]] std::optional<parked_state> parked;  // can_park: the plan's cells while the copy runs
+        [[maybe_unused]] bool removed = false;                // otherwise: seq was emptied for the copy
+        try {
+            const tier::fetch_info f = tiers_.fetch(tiers_.obj, *cache_, sc, request, salt, request.size() - 1);
+            if (f.n_tokens > have) {
+                if constexpr (can_park) {
+                    parked.emplace(park(seq));  // allocates before it changes anything
+                } else {
+                    removed = true;
+                    cache_->seq_rm(seq, -1, -1).value();  // the whole sequence: never refused
+                }
+                if (cache_->seq_cp(sc, seq, -1, -1)) {
+                    out = f.n_tokens;
+                    tier_index = f.tier;
+                } else if constexpr (can_park) {
+                    unpark(seq, *parked);
+                } else {
+                    out = 0;
+                }
+            }
+        } catch (const std::bad_alloc&) {  // seq_cp is complete or nothing
+            ++counters_.tier_fetch_errors;
+            if constexpr (can_park) {
+                if (parked) unpark(seq, *parked);
+            } else if (removed) {
+                out = 0;
+            }
+        }
+        cache_->seq_rm(sc, -1, -1).value();  // the whole sequence: never refused
+        return out;
+    }
 };
 
 KVCACHE_END_NAMESPACE

@@ -8,6 +8,10 @@
 //                    per part: n_layer, n_head_kv, head_dim_k, head_dim_v, type_id,
 //                    elem_size, rope_type, n_rot, freq_base bits, freq_scale bits,
 //                    layout_id, window, rope_ext)          (io/fingerprint.hpp fields)
+//            (a memory with recurrent state appends, after its attention parts, the word
+//            2^32 + n_layer, each layer's is_recurrent (hybrid_memory; none for
+//            recurrent_memory, whose n_parts is 0), then the recurrent n_layer, d_conv,
+//            d_inner, ssm_size)
 //   seed   = SHA-256("kvcache-tier-key" || key_version || fp || salt || block_tokens)
 //   k_0    = seed;  k_i = SHA-256(k_{i-1} || n_items || items of block i)
 // Block i covers positions [i*B, (i+1)*B). Its items, in position order: a text token t as
@@ -16,14 +20,17 @@
 // (i+1)*B positions, which exists only where no media chunk straddles that boundary.
 #pragma once
 
+#include <concepts>     // std::same_as
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
 #include <string>       // hex
+#include <type_traits>  // std::remove_cvref_t
 #include <vector>       // key chains
 
 #include "../error.hpp"
 #include "../io/fingerprint.hpp"
 #include "../memory/memory.hpp"
+#include "../memory/recurrent.hpp"
 #include "../tokens/prompt_tokens.hpp"
 #include "sha256.hpp"
 
@@ -70,14 +77,32 @@ template <class Memory>
                                 f.n_rot, f.freq_base_bits, f.freq_scale_bits, f.layout_id, f.window, f.rope_ext})
             h.update_u64(v);
     };
-    if constexpr (composite_memory<Memory>) {
-        std::uint64_t n = 0;
-        mem.for_each_part([&](const auto&) { ++n; });
-        h.update_u64(n);
-        mem.for_each_part(part);
+    auto attention = [&](const auto& a) {
+        using A = std::remove_cvref_t<decltype(a)>;
+        if constexpr (composite_memory<A>) {
+            std::uint64_t n = 0;
+            a.for_each_part([&](const auto&) { ++n; });
+            h.update_u64(n);
+            a.for_each_part(part);
+        } else {
+            h.update_u64(1);
+            part(a);
+        }
+    };
+    auto recurrent = [&](const recurrent_memory& r, std::uint32_t n_layer, auto is_recurrent) {
+        h.update_u64((std::uint64_t{1} << 32) + n_layer);
+        for (std::uint32_t l = 0; l < n_layer; ++l) h.update_u64(is_recurrent(l) ? 1 : 0);
+        const recurrent_shape& rs = r.shape();
+        for (std::uint32_t v : {rs.n_layer, rs.d_conv, rs.d_inner, rs.ssm_size}) h.update_u64(v);
+    };
+    if constexpr (std::same_as<Memory, recurrent_memory>) {
+        h.update_u64(0);
+        recurrent(mem, 0, [](std::uint32_t) { return true; });
+    } else if constexpr (requires { mem.attention(); mem.recurrent(); mem.is_recurrent(0u); }) {  // hybrid_memory
+        attention(mem.attention());
+        recurrent(mem.recurrent(), mem.n_layer(), [&](std::uint32_t l) { return mem.is_recurrent(l); });
     } else {
-        h.update_u64(1);
-        part(mem);
+        attention(mem);
     }
     return h.final();
 }

@@ -17,6 +17,7 @@
 // time. Processes share the tiers that are shared by nature (disk directory, Redis).
 #pragma once
 
+#include <concepts>     // std::same_as
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
 #include <deque>        // sightings, oldest first
@@ -29,8 +30,11 @@
 #include <vector>       // keys, blob scratch
 
 #include "../error.hpp"
+#include "../io/hybrid.hpp"     // io::save_seq / load_seq of hybrid_memory
+#include "../io/recurrent.hpp"  // ... and of recurrent_memory
 #include "../io/state.hpp"
 #include "../memory/memory.hpp"
+#include "../memory/recurrent.hpp"
 #include "../tokens/prompt_tokens.hpp"
 #include "blob.hpp"
 #include "key.hpp"
@@ -173,7 +177,14 @@ class tier_cache {
     static_assert(sizeof...(Tiers) >= 1, "kvcache: tier_cache needs at least one storage tier");
 
 public:
+    using memory_type = Memory;
     static constexpr std::size_t n_tiers = sizeof...(Tiers);
+    /// Whether a loaded blob can be cut to a shorter prefix. A recurrent state
+    /// (recurrent_memory, hybrid_memory) cannot be rolled back: fetch() takes only a blob
+    /// whose whole length fits (its common prefix with the request and max_tokens cover all
+    /// of it); a longer one is a miss (not a refusal) and the next candidate is tried.
+    static constexpr bool can_cut = !(std::same_as<Memory, recurrent_memory> ||
+                                      requires(const Memory& m) { m.recurrent(); });
 
     /// Throws invalid_argument for block_tokens = 0.
     explicit tier_cache(tier_cache_options opt, Tiers... tiers) : opt_(opt), tiers_(std::move(tiers)...) {
@@ -249,7 +260,7 @@ public:
     /// Loads into the empty sequence dst the longest block-aligned prefix of `request`
     /// (tenant salt) some tier holds, extended to the blob's common prefix with the request,
     /// then capped at max_tokens positions (and cut back to the start of a media chunk the
-    /// cap falls into). A miss (n_tokens = 0)
+    /// cap falls into); on a memory with recurrent state only whole blobs (see can_cut). A miss (n_tokens = 0)
     /// leaves mem unchanged. Throws invalid_argument when dst is not empty,
     /// transaction_open while placements are staged.
     fetch_info fetch(Memory& mem, seq_id_t dst, const prompt_tokens& request, std::uint64_t salt = 0,
@@ -286,8 +297,8 @@ public:
                 std::size_t lcp = std::min(v.tokens.common_prefix(request), max_tokens);
                 // max_tokens may fall inside a media chunk: keep none of it.
                 if (const media_chunk* mc = request.chunk_at(lcp); mc != nullptr && mc->begin < lcp) lcp = mc->begin;
-                if (lcp == 0) {
-                    ++tm.misses;  // found, but the cap leaves nothing of it
+                if (lcp == 0 || (!can_cut && lcp < v.tokens.size())) {
+                    ++tm.misses;  // found, but the cap leaves nothing of it (or a state that cannot be cut)
                     return false;
                 }
                 if (!load_prefix(mem, dst, v.payload, lcp, v.tokens.size())) {
