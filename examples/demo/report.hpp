@@ -258,7 +258,8 @@ private:
 };
 
 /// Writes the rows and the checks as one JSON document to `out`:
-/// {"machine": ..., "rows": [{...}, ...], "checks": [{...}, ...]}.
+/// {"machine": ..., "rows": [{...}, ...], "checks": [{...}, ...]}. Rows of the tier scenario
+/// (or with positions from a storage tier) also carry from_tier, tier (null: none) and skipped.
 inline void write_json(std::ostream& out, const std::vector<row>& rows, const std::string& machine,
                        const std::vector<check_result>& checks) {
     json_writer j(out);
@@ -280,15 +281,16 @@ inline void write_json(std::ostream& out, const std::vector<row>& rows, const st
             .member("from_slot", x.m.from_slot)
             .member("from_global", x.m.from_global)
             .member("from_shift", x.m.from_shift)
-            .member("from_tier", x.m.from_tier)
-            .key("tier");
-        if (x.tier.empty()) j.null();
-        else j.value(x.tier);
-        j.member("skipped", x.skipped)
             .member("logits_max_abs_diff",
                     x.max_abs_diff >= 0 ? std::optional<double>(x.max_abs_diff) : std::optional<double>())
             .member("logits_argmax_match", x.argmax_match)
             .member("logits_check_ok", x.check_ok);
+        if (x.scenario == "tiers" || x.m.from_tier > 0) {  // the storage-tier rows (--tiers)
+            j.member("from_tier", x.m.from_tier).key("tier");
+            if (x.tier.empty()) j.null();
+            else j.value(x.tier);
+            j.member("skipped", x.skipped);
+        }
         if (x.checkpoint_bytes)
             j.member("miss_reason", std::string(kvcache::to_string(x.m.miss)))
                 .member("checkpoint_restored", x.m.checkpoint_restored)
