@@ -47,6 +47,20 @@ struct options {
     bool timing = true;  ///< false: rows pass on their correctness checks alone (--no-timing)
     bool help = false;   ///< -h / --help: print the usage and exit 0
     bool hybrid = false;  ///< --hybrid: the TTFT scenarios on a hybrid model (attention + recurrent layers)
+    /// --tiers: the storage-tier scenario (tiers.hpp): TTFT of a hit from each tier given,
+    /// in this process and in new processes; also run when a tier option below is given.
+    bool tiers = false;
+    std::string tier_dir;         ///< --tier-dir DIR: a disk tier in DIR (a run subfolder of it)
+    std::string redis;            ///< --redis HOST:PORT: a Redis tier on that server (never started by the demo)
+    std::string redis_host;       ///< host of --redis
+    int redis_port = 0;           ///< port of --redis
+    int tier_memory_mib = -1;     ///< --tier-memory-mib N: the memory tier's limit (-1: 512; 0: no memory tier)
+    /// Internal (the multi-process scenario's children): --tier-role reader|restart, the run's
+    /// namespace, A's cold TTFT and the file of A's cold logits.
+    std::string tier_role;
+    std::string tier_ns;
+    double tier_cold_ms = 0;
+    std::string tier_logits;
     int ctx = 256;
     int n_keep = 32;
     int n_gen = 600;
@@ -75,7 +89,8 @@ inline const char* usage_text() noexcept {
            "                    [--rope-scaling none|linear|yarn|llama3|longrope] [--rope-factor F] [--rope-orig-ctx N]\n"
            "                    [--yarn-beta-fast F] [--yarn-beta-slow F] [--yarn-ext-factor F]\n"
            "                    [--llama3-low-freq F] [--llama3-high-freq F]\n"
-           "                    [--longrope-short F,F,...] [--longrope-long F,F,...]\n";
+           "                    [--longrope-short F,F,...] [--longrope-long F,F,...]\n"
+           "                    [--tiers] [--tier-dir DIR] [--redis HOST:PORT] [--tier-memory-mib N]\n";
 }
 
 /// The RoPE options' cross-argument rules (see parse).
@@ -158,7 +173,10 @@ inline void apply_rope(const options& o, kvcache::rope_params& rope) {
     if (r.attn_factor > 0) rope.attn_factor = r.attn_factor;
 }
 
-/// Parses argv. -h / --help returns at once with help set. --ttft / --context-shift / --self-extend select only the runs they name.
+/// Parses argv. -h / --help returns at once with help set. --ttft / --context-shift / --self-extend /
+/// --tiers select only the runs they name; --tier-dir, --redis or --tier-memory-mib also turn the
+/// tier scenario on. Throws cli_error also for a --redis that is not HOST:PORT, a --tier-role
+/// other than reader / restart or without its companions.
 /// Throws cli_error on an unknown argument, a missing value, a value that is not a number
 /// or out of range, --n-keep >= --ctx / 2, or --ga-w not a multiple of --ga-n; for RoPE: an
 /// unknown --rope-scaling, a parameter of a scaling not selected, a missing required one
@@ -261,6 +279,33 @@ inline options parse(int argc, const char* const* argv) {
         else if (a == "--rope-base") o.rope_base = real(true);
         else if (a == "--rope-scale") o.rope_scale = real(true); else if (a == "--no-timing") o.timing = false;
         else if (a == "--hybrid") o.hybrid = true;
+        else if (a == "--tiers") select(o.tiers);
+        else if (a == "--tier-dir") {
+            o.tier_dir = value();
+            if (o.tier_dir.empty()) throw cli_error("--tier-dir needs a directory, not an empty string");
+        }
+        else if (a == "--redis") {
+            o.redis = value();
+            const std::size_t colon = o.redis.rfind(':');
+            if (colon == std::string::npos || colon == 0)
+                throw cli_error("--redis = " + o.redis + ": must be HOST:PORT (e.g. 127.0.0.1:6379)");
+            o.redis_host = o.redis.substr(0, colon);
+            const std::string port = o.redis.substr(colon + 1);
+            char* end = nullptr;
+            const long p = std::strtol(port.c_str(), &end, 10);
+            if (port.empty() || *end != '\0' || p < 1 || p > 65535)
+                throw cli_error("--redis = " + o.redis + ": the port must be an integer in [1, 65535]");
+            o.redis_port = static_cast<int>(p);
+        }
+        else if (a == "--tier-memory-mib") o.tier_memory_mib = static_cast<int>(number(0, 1 << 20));
+        else if (a == "--tier-role") {
+            o.tier_role = value();
+            if (o.tier_role != "reader" && o.tier_role != "restart")
+                throw cli_error("--tier-role = " + o.tier_role + ": must be reader or restart");
+        }
+        else if (a == "--tier-ns") o.tier_ns = value();
+        else if (a == "--tier-cold-ms") o.tier_cold_ms = real(true);
+        else if (a == "--tier-logits") o.tier_logits = value();
         else if (a == "--ttft") select(o.ttft);
         else if (a == "--context-shift") select(o.context_shift);
         else if (a == "--self-extend") select(o.self_extend);
@@ -274,6 +319,9 @@ inline options parse(int argc, const char* const* argv) {
         throw cli_error("--n-keep = " + to_string(o.n_keep) + ": must be smaller than --ctx / 2 = " + to_string(o.ctx / 2));
     if (o.ga_w % o.ga_n != 0)
         throw cli_error("--ga-w = " + to_string(o.ga_w) + ": must be a multiple of --ga-n = " + to_string(o.ga_n));
+    if (!o.tier_dir.empty() || !o.redis.empty() || o.tier_memory_mib >= 0) o.tiers = true;
+    if (!o.tier_role.empty() && (o.tier_ns.empty() || o.tier_cold_ms <= 0 || o.tier_logits.empty()))
+        throw cli_error("--tier-role " + o.tier_role + " needs --tier-ns, --tier-cold-ms and --tier-logits (set by the demo)");
     check_rope(o);
     return o;
 }

@@ -9,6 +9,8 @@
 //   kvcache_demo --context-shift      only the context-shift run
 //   kvcache_demo --self-extend        only the Self-Extend run
 //   kvcache_demo --model stories15M.bin   a real llama2.c checkpoint instead of the random model
+//   kvcache_demo --tiers --tier-dir DIR --redis HOST:PORT   TTFT of a hit from each storage
+//                                     tier, in this process and in new ones (tiers.hpp)
 //
 // cli.hpp parses the arguments, scenarios.hpp runs the experiments, report.hpp prints the
 // tables and writes the JSON. Exit code: 0 when every row and every check passes, 1
@@ -30,6 +32,7 @@
 #include "engine/llama2c.hpp"
 #include "report.hpp"
 #include "scenarios.hpp"
+#include "tiers.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -97,6 +100,15 @@ int main(int argc, char** argv) {
         return 1;
     }
     const demo::tokenizer& tok = *tok_storage;
+    if (!o.tier_role.empty()) {
+        // A child of the tier scenario's multi-process part: its tier-result lines only.
+        try {
+            return demo::tiers::run_child_role(w, tok, o);
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "kvcache_demo (--tier-role %s): %s\n", o.tier_role.c_str(), e.what());
+            return 1;
+        }
+    }
     char machine[160];
     std::snprintf(machine, sizeof machine, "%d OpenMP threads", n_threads);
     std::printf("model: dim %d, hidden %d, %d layers, %d query heads / %d KV heads of %d, vocab %d, context %d, "
@@ -143,6 +155,14 @@ int main(int argc, char** argv) {
             else if (o.cache_type == "q4_0") rows = run_with.template operator()<kvcache::q4_0>();
             else rows = run_with.template operator()<kvcache::f32>();
             for (const demo::report::row& x : rows) ok = ok && x.pass;
+        }
+        if (o.tiers && !o.hybrid) {
+            std::printf("\n== storage tiers: TTFT of a hit from each tier, in this process and in new ones (base "
+                        "prompt %d tokens)\n", o.base_tokens);
+            const std::vector<std::string> args(argv + 1, argv + argc);
+            const std::vector<demo::report::row> tier_rows = demo::tiers::run(w, tok, o, args);
+            for (const demo::report::row& x : tier_rows) ok = ok && x.pass;
+            rows.insert(rows.end(), tier_rows.begin(), tier_rows.end());
         }
         if (o.context_shift && !o.hybrid) {
             checks.push_back(demo::scenarios::run_context_shift(w, tok, o));

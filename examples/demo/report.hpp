@@ -40,6 +40,10 @@ struct row {
     /// Hybrid model rows (--hybrid): the slot's checkpoint bytes after the request; the JSON
     /// row then also names the miss reason and whether a checkpoint was restored.
     std::optional<std::size_t> checkpoint_bytes;
+    /// Tier rows (--tiers): the storage tier that served the prefix ("": none; m.from_tier
+    /// positions came from it), and whether the row was skipped (its tier not configured).
+    std::string tier;
+    bool skipped = false;
 };
 
 /// Outcome of the context-shift and Self-Extend runs, for the final summary and the JSON.
@@ -49,8 +53,9 @@ struct check_result {
     bool pass = false;
 };
 
-/// Where a request's reused tokens came from, e.g. "100 slot 600 shifted", or "-".
-inline std::string reuse_summary(const kvcache::request_metrics& m) {
+/// Where a request's reused tokens came from, e.g. "100 slot 600 shifted", "999 disk" (a
+/// storage tier, named by `tier`), or "-".
+inline std::string reuse_summary(const kvcache::request_metrics& m, const std::string& tier = "") {
     std::string s;
     auto part = [&](std::uint32_t n, const char* from) {
         if (n == 0) return;
@@ -60,6 +65,7 @@ inline std::string reuse_summary(const kvcache::request_metrics& m) {
     part(m.from_slot, "slot");
     part(m.from_global, "global");
     part(m.from_shift, "shifted");
+    part(m.from_tier, tier.empty() ? "tier" : tier.c_str());
     return s.empty() ? "-" : s;
 }
 
@@ -75,8 +81,13 @@ inline void print_table(const std::vector<row>& rows) {
             std::snprintf(expected, sizeof expected, ">= %.0f%% (no reuse)", 100.0 * *x.expected_min);
         else
             std::snprintf(expected, sizeof expected, "baseline");
+        if (x.skipped) {
+            std::printf("| %s | R%d | %s | %zu | - | - | - | - | %s | %s | SKIPPED |\n", x.scenario.c_str(), x.round,
+                        x.what.c_str(), x.n_prompt, expected, x.check.c_str());
+            continue;
+        }
         std::printf("| %s | R%d | %s | %zu | %s | %u | %.1f | %.1f%% | %s | %s | %s |\n", x.scenario.c_str(), x.round,
-                    x.what.c_str(), x.n_prompt, reuse_summary(x.m).c_str(), x.m.computed, x.ttft_ms, 100.0 * x.ratio,
+                    x.what.c_str(), x.n_prompt, reuse_summary(x.m, x.tier).c_str(), x.m.computed, x.ttft_ms, 100.0 * x.ratio,
                     expected, x.check.c_str(), x.pass ? "PASS" : "FAIL");
     }
 }
@@ -247,7 +258,8 @@ private:
 };
 
 /// Writes the rows and the checks as one JSON document to `out`:
-/// {"machine": ..., "rows": [{...}, ...], "checks": [{...}, ...]}.
+/// {"machine": ..., "rows": [{...}, ...], "checks": [{...}, ...]}. Rows of the tier scenario
+/// (or with positions from a storage tier) also carry from_tier, tier (null: none) and skipped.
 inline void write_json(std::ostream& out, const std::vector<row>& rows, const std::string& machine,
                        const std::vector<check_result>& checks) {
     json_writer j(out);
@@ -273,6 +285,12 @@ inline void write_json(std::ostream& out, const std::vector<row>& rows, const st
                     x.max_abs_diff >= 0 ? std::optional<double>(x.max_abs_diff) : std::optional<double>())
             .member("logits_argmax_match", x.argmax_match)
             .member("logits_check_ok", x.check_ok);
+        if (x.scenario == "tiers" || x.m.from_tier > 0) {  // the storage-tier rows (--tiers)
+            j.member("from_tier", x.m.from_tier).key("tier");
+            if (x.tier.empty()) j.null();
+            else j.value(x.tier);
+            j.member("skipped", x.skipped);
+        }
         if (x.checkpoint_bytes)
             j.member("miss_reason", std::string(kvcache::to_string(x.m.miss)))
                 .member("checkpoint_restored", x.m.checkpoint_restored)

@@ -201,7 +201,7 @@ inline constexpr int default_base_tokens = 1000;
 inline void fit_to_model(options& o, const demo::llama_config& cfg) {
     using std::to_string;
     const int max_base = cfg.seq_len - ttft_extra_positions;
-    if (o.ttft) {
+    if (o.ttft || o.tiers) {
         if (max_base < 64)
             throw cli::cli_error("the model's trained context is " + to_string(cfg.seq_len) +
                                  " positions: the TTFT scenarios need at least " + to_string(64 + ttft_extra_positions) +

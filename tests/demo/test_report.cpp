@@ -123,4 +123,31 @@ TEST_CASE("reuse_summary: where the reused tokens came from") {
     CHECK(demo::report::reuse_summary(m) == "100 slot 600 shifted");
     m.from_global = 7;
     CHECK(demo::report::reuse_summary(m) == "100 slot 7 global 600 shifted");
+    kvcache::request_metrics t;
+    t.from_tier = 999;
+    CHECK(demo::report::reuse_summary(t) == "999 tier");
+    CHECK(demo::report::reuse_summary(t, "disk") == "999 disk");  // named by the row's tier
+}
+
+TEST_CASE("write_json: tier rows carry from_tier, tier and skipped; other rows do not") {
+    demo::report::row hit;
+    hit.scenario = "tiers";
+    hit.round = 3;
+    hit.what = "disk tier";
+    hit.m.from_tier = 999;
+    hit.tier = "disk";
+    demo::report::row skipped = hit;
+    skipped.m.from_tier = 0;
+    skipped.tier.clear();
+    skipped.skipped = true;
+    demo::report::row other;
+    other.scenario = "exact repeat";
+    std::ostringstream s;
+    demo::report::write_json(s, {hit, skipped, other}, "m", {});
+    const std::string j = s.str();
+    CHECK(j.find("\"from_tier\": 999, \"tier\": \"disk\", \"skipped\": false") != std::string::npos);
+    CHECK(j.find("\"from_tier\": 0, \"tier\": null, \"skipped\": true") != std::string::npos);
+    const std::size_t last = j.find("\"scenario\": \"exact repeat\"");
+    REQUIRE(last != std::string::npos);
+    CHECK(j.find("from_tier", last) == std::string::npos);
 }
