@@ -38,6 +38,7 @@
 
 #include "../error.hpp"
 #include "blob.hpp"
+#include "buffer.hpp"
 #include "key.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -131,7 +132,7 @@ public:
         bool ok = ::fstat(fd, &st) == 0;
         const auto size = ok ? static_cast<std::size_t>(st.st_size) : 0;
         if (ok) {
-            out.resize(size);
+            detail::resize_blob_buffer(out, size);
             std::size_t done = 0;
             while (ok && done < size) {
                 const ::ssize_t r = ::read(fd, out.data() + done, size - done);

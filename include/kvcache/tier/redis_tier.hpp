@@ -55,6 +55,7 @@
 #include <vector>       // pipeline, blob bytes
 
 #include "../error.hpp"
+#include "buffer.hpp"
 #include "key.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -162,8 +163,8 @@ public:
             r = nullptr;
             hit = get_chunks(rk, total, chunk, out);
         } else if (hit) {
-            const auto* p = reinterpret_cast<const std::byte*>(r->str);
-            out.assign(p, p + r->len);
+            detail::resize_blob_buffer(out, r->len);
+            if (r->len > 0) std::memcpy(out.data(), r->str, r->len);
         }
         if (hit) ++stats_.get_hits;
         if (r != nullptr) freeReplyObject(r);
@@ -249,7 +250,7 @@ private:
     /// Reads the chunks of a manifest's entry into out; false (a miss) when one is missing
     /// or has the wrong length.
     bool get_chunks(const std::string& rk, std::size_t total, std::size_t chunk, std::vector<std::byte>& out) {
-        out.resize(total);
+        detail::resize_blob_buffer(out, total);
         for (std::size_t i = 0, at = 0; at < total; ++i, at += chunk) {
             const std::string ck = rk + "#" + std::to_string(i);
             redisReply* r = command(ck, {"GET", ck});

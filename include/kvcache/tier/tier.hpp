@@ -16,6 +16,7 @@
 
 #include <concepts>       // std::same_as
 #include <cstddef>        // std::byte, std::size_t
+#include <cstring>        // std::memcpy
 #include <list>           // LRU order
 #include <span>           // blob bytes
 #include <string_view>    // name
@@ -24,6 +25,7 @@
 #include <vector>         // blob bytes
 
 #include "../error.hpp"
+#include "buffer.hpp"
 #include "key.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
@@ -52,7 +54,10 @@ public:
                                                                    " bytes exceeds the limit of " + std::to_string(limit_));
         erase(k);
         lru_.push_front(k);
-        map_.emplace(k, item{std::vector<std::byte>(blob.begin(), blob.end()), lru_.begin()});
+        std::vector<std::byte> bytes;
+        detail::resize_blob_buffer(bytes, blob.size());
+        if (!blob.empty()) std::memcpy(bytes.data(), blob.data(), blob.size());
+        map_.emplace(k, item{std::move(bytes), lru_.begin()});
         bytes_ += blob.size();
         while (limit_ > 0 && bytes_ > limit_) {
             erase(lru_.back());
@@ -64,7 +69,9 @@ public:
         const auto it = map_.find(k);
         if (it == map_.end()) return false;
         lru_.splice(lru_.begin(), lru_, it->second.pos);
-        out = it->second.bytes;
+        const std::vector<std::byte>& b = it->second.bytes;
+        detail::resize_blob_buffer(out, b.size());
+        if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());
         return true;
     }
     [[nodiscard]] bool contains(const key& k) const { return map_.contains(k); }
