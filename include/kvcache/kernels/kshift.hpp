@@ -61,13 +61,13 @@ namespace detail_rot {
 /// reproduce these bits exactly. Without FMA (baseline x86-64): two roundings.
 inline simd::fbatch fmsub(const simd::fbatch& x, const simd::fbatch& y, const simd::fbatch& z) noexcept {
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<typename simd::fbatch::register_type, __m512>) return _mm512_fmsub_ps(x, y, z);
+    if constexpr (simd::lanes == 16) return _mm512_fmsub_ps(x, y, z);
 #endif
     return xsimd::fms(x, y, z);
 }
 inline simd::fbatch fmadd(const simd::fbatch& x, const simd::fbatch& y, const simd::fbatch& z) noexcept {
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<typename simd::fbatch::register_type, __m512>) return _mm512_fmadd_ps(x, y, z);
+    if constexpr (simd::lanes == 16) return _mm512_fmadd_ps(x, y, z);
 #endif
     return xsimd::fma(x, y, z);
 }
