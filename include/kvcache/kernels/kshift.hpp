@@ -23,6 +23,8 @@
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
 #include <cmath>        // std::isfinite
+#include <cstring>      // std::memcpy
+#include <limits>       // infinity
 #include <type_traits>  // std::true_type, std::is_same_v
 
 #include "../concepts.hpp"
@@ -31,7 +33,7 @@
 #include "../format/kv_view.hpp"
 #include "../simd/tile_io.hpp"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -51,6 +53,25 @@ struct tile_rotation {
 
 /// Sub-batches of simd::lanes cells in one K tile row.
 inline constexpr std::size_t kshift_batches = k_tile / simd::lanes;
+
+namespace detail_rot {
+/// x * y - z and x * y + z, each one rounding, on every instruction set with FMA. xsimd 8.1
+/// has no AVX-512 fma / fms (its generic x * y -+ z let the compiler pick which product
+/// to fuse, so the bits depended on the compiler); the quantized K-shift kernels below
+/// reproduce these bits exactly. Without FMA (baseline x86-64): two roundings.
+inline simd::fbatch fmsub(const simd::fbatch& x, const simd::fbatch& y, const simd::fbatch& z) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (simd::lanes == 16) return _mm512_fmsub_ps(x, y, z);
+#endif
+    return xsimd::fms(x, y, z);
+}
+inline simd::fbatch fmadd(const simd::fbatch& x, const simd::fbatch& y, const simd::fbatch& z) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (simd::lanes == 16) return _mm512_fmadd_ps(x, y, z);
+#endif
+    return xsimd::fma(x, y, z);
+}
+}  // namespace detail_rot
 
 /// Rotates n_pairs row pairs (rows 2i and 2i + 1 from p) of a tile, all k_tile lanes of
 /// each pair before the next pair, so the tile is read and written once in address order.
@@ -73,8 +94,8 @@ inline void rotate_rows(T* p, std::uint32_t n_pairs, const float* cs, const floa
             const fbatch x0 = simd::load(p + b * L), x1 = simd::load(p + off + b * L);
             const fbatch c = Uniform ? simd::broadcast(cs + i) : fbatch::load_unaligned(cs + std::size_t{i} * k_tile + b * L);
             const fbatch s = Uniform ? simd::broadcast(sn + i) : fbatch::load_unaligned(sn + std::size_t{i} * k_tile + b * L);
-            fbatch y0 = xsimd::fms(x0, c, x1 * s);
-            fbatch y1 = xsimd::fma(x0, s, x1 * c);
+            fbatch y0 = detail_rot::fmsub(x0, c, x1 * s);  // x0 c - (x1 s), one rounding of x0 c
+            fbatch y1 = detail_rot::fmadd(x0, s, x1 * c);  // x0 s + (x1 c)
             if constexpr (Partial) {
                 y0 = xsimd::select(keep[b], y0, x0);
                 y1 = xsimd::select(keep[b], y1, x1);
@@ -115,74 +136,246 @@ inline void rotate_tile(T* tile, std::uint32_t n_rot, const tile_rotation& rot, 
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-/// q8_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA; AVX-512
-/// builds use the same 8-lane code): for each unit row u and each moving cell, its block
-/// (32 dimensions of the cell) is dequantized into four 8-lane vectors, each pair
-/// (dims 2i, 2i + 1, adjacent in the block) rotated with the pair-swapped vector, then
-/// requantized with the same arithmetic as q8_0::from_float (scale from max|y| rounded to
-/// binary16, round half away from zero, clamp to +-127): the bytes are identical to the
-/// generic path's. Returns false (nothing written) when a moving block's scale is not
-/// finite: the generic path then handles the tile.
-inline bool rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
-                                     const float* sin_tab) noexcept {
-    constexpr std::uint32_t B = 32;
-    const std::uint32_t n_units = (n_rot + B - 1) / B;
-    for (std::uint32_t u = 0; u < n_units; ++u)
-        for (tile_mask bits = mask; bits != 0; bits &= bits - 1)
-            if (!std::isfinite(scalar::f16_to_f32(tile[std::size_t{u} * k_tile + static_cast<std::uint32_t>(std::countr_zero(bits))].d)))
-                return false;
-    const std::uint32_t n_pairs = n_rot / 2;
-    const __m256 sign = _mm256_set1_ps(-0.0f), half_v = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    const __m256 qmax = _mm256_set1_ps(127.0f), qmin = _mm256_set1_ps(-127.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (std::uint32_t u = 0; u < n_units; ++u) {
-        // cos / sin of the unit's 16 pairs, each repeated for its two dimensions (pairs past
-        // n_rot: cos 1, sin 0, which leaves them as they are)
-        alignas(32) float cd[B], sd[B];
-        for (std::uint32_t k = 0; k < B / 2; ++k) {
-            const std::uint32_t i = u * (B / 2) + k;
-            cd[2 * k] = cd[2 * k + 1] = i < n_pairs ? cos_tab[i] : 1.0f;
-            sd[2 * k] = sd[2 * k + 1] = i < n_pairs ? sin_tab[i] : 0.0f;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+namespace detail_q8 {
+#if defined(__AVX512F__)
+using vf = __m512;  ///< one vector of floats (16 lanes with AVX-512F, 8 with AVX2)
+#else
+using vf = __m256;
+#endif
+/// Lanes per vector and vectors per 16 values (the even or odd dimensions of one block).
+inline constexpr std::uint32_t vl = sizeof(vf) / sizeof(float), vpb = 16 / vl;
+
+/// What q8_0::from_float stores for a block holding a NaN or an infinity.
+inline void store_nonfinite(block_q8_0& blk) noexcept {
+    blk.d = detail::block_scale(std::numeric_limits<float>::infinity(), 127.0f);
+    for (auto& q : blk.qs) q = 0;
+}
+
+/// The moving cells of a mask, in increasing order; returns how many.
+inline std::uint32_t moving_cells(tile_mask mask, std::uint8_t (&cells)[k_tile]) noexcept {
+    std::uint32_t n = 0;
+    for (tile_mask bits = mask; bits != 0; bits &= bits - 1) cells[n++] = static_cast<std::uint8_t>(std::countr_zero(bits));
+    return n;
+}
+
+/// max over the lanes of each of the 16 vectors m[j] (j < 16), as one 16-float array
+/// (a transposing tree: 3 operations per pair of vectors and level, instead of a
+/// horizontal reduction per vector).
+inline void lane_max_16(const float (*m)[vl], float* out) noexcept {
+#if defined(__AVX512F__)
+    __m512 a[8], b[4], c[2];
+    for (int p = 0; p < 8; ++p) {  // 256-bit halves: lanes 0-7 from m[2p], 8-15 from m[2p + 1]
+        const __m512 x = _mm512_load_ps(m[2 * p]), y = _mm512_load_ps(m[2 * p + 1]);
+        a[p] = _mm512_max_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+    for (int p = 0; p < 4; ++p)  // 128-bit lane q: vector 4p + q
+        b[p] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; ++p)  // lane q, elements (0, 1): vector 8p + q; (2, 3): 8p + 4 + q
+        c[p] = _mm512_max_ps(_mm512_shuffle_ps(b[2 * p], b[2 * p + 1], 0x44), _mm512_shuffle_ps(b[2 * p], b[2 * p + 1], 0xEE));
+    // lane q, element e: vector 4e + q; a 4x4 transpose puts vector j in lane j
+    const __m512 r = _mm512_max_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    const __m512i t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_store_ps(out, _mm512_permutexvar_ps(t, r));
+#else
+    const __m256i t = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int h = 0; h < 2; ++h) {  // vectors 8h .. 8h + 7
+        __m256 a[4], b[2];
+        for (int p = 0; p < 4; ++p) {  // 128-bit lane q: vector 2p + q
+            const __m256 x = _mm256_load_ps(m[8 * h + 2 * p]), y = _mm256_load_ps(m[8 * h + 2 * p + 1]);
+            a[p] = _mm256_max_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
         }
+        for (int p = 0; p < 2; ++p)  // lane q, elements (0, 1): vector 4p + q; (2, 3): 4p + 2 + q
+            b[p] = _mm256_max_ps(_mm256_shuffle_ps(a[2 * p], a[2 * p + 1], 0x44), _mm256_shuffle_ps(a[2 * p], a[2 * p + 1], 0xEE));
+        // lane q, element e: vector 2e + q
+        const __m256 r = _mm256_max_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));
+        _mm256_store_ps(out + 8 * h, _mm256_permutevar8x32_ps(r, t));
+    }
+#endif
+}
+
+/// Scales of 16 blocks from their largest |value| (amax[16], finite): hd[j] = binary16
+/// of amax[j] / 127 (round to nearest even, as scalar::f32_to_f16) and id[j] = 1 / d as
+/// q8_0::from_float computes it (0 where d is 0 or inf). Returns whether a scale is
+/// subnormal (0 < d < 2^-14): only then can |y| / d exceed 127.06 (a normal d is within
+/// 2^-11 of amax / 127), i.e. can a code need the clamp to +-127.
+inline bool scales_16(const float* amax, half* hd, float* id) noexcept {
+    constexpr int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256 q = _mm256_set1_ps(127.0f), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 min_normal = _mm256_set1_ps(6.103515625e-05f);  // 2^-14
+    int sub = 0;
+    for (int k = 0; k < 2; ++k) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_div_ps(_mm256_load_ps(amax + 8 * k), q), rn);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hd + 8 * k), h);
+        const __m256 d = _mm256_cvtph_ps(h);
+        const __m256 is_zero = _mm256_cmp_ps(d, zero, _CMP_EQ_OQ);
+        sub |= _mm256_movemask_ps(_mm256_andnot_ps(is_zero, _mm256_cmp_ps(d, min_normal, _CMP_LT_OQ)));
+        // 1/0 = inf -> 0 (masked); 1/inf = 0 already
+        _mm256_store_ps(id + 8 * k, _mm256_andnot_ps(is_zero, _mm256_div_ps(one, d)));
+    }
+    return sub != 0;
+}
+
+/// cos / sin of the 16 pairs of unit row u (pairs past n_pairs: cos 1, sin 0, which
+/// leave the values as they are; only the sign of a zero may change, same code).
+inline void unit_angles(std::uint32_t u, std::uint32_t n_pairs, const float* cos_tab, const float* sin_tab,
+                        vf (&c)[vpb], vf (&s)[vpb]) noexcept {
+    const std::uint32_t i0 = u * 16, np = n_pairs - i0 < 16 ? n_pairs - i0 : 16;
+#if defined(__AVX512F__)
+    const __mmask16 k = static_cast<__mmask16>((1u << np) - 1u);
+    c[0] = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), k, cos_tab + i0);
+    s[0] = _mm512_maskz_loadu_ps(k, sin_tab + i0);
+#else
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (std::uint32_t h = 0; h < vpb; ++h) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(np) - static_cast<int>(8 * h)), iota);
+        c[h] = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_maskload_ps(cos_tab + i0 + 8 * h, m), _mm256_castsi256_ps(m));
+        s[h] = _mm256_maskload_ps(sin_tab + i0 + 8 * h, m);
+    }
+#endif
+}
+}  // namespace detail_q8
+
+/// q8_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA + F16C; with
+/// AVX-512F, 16-lane vectors). A block holds 32 dimensions of one cell, so a pair
+/// (dims 2i, 2i + 1) is two adjacent bytes: the block's 16 words are sign-extended and
+/// split into the even and the odd dimensions, which rotate with plain vector
+/// arithmetic (the cos / sin of the unit row's 16 pairs, no shuffles). The moving cells'
+/// blocks of each rotated unit row go through three passes: (1) dequantize, rotate, keep
+/// the 32 rotated values in a 4 KiB stack buffer and the lane-wise max |y|; (2) the
+/// blocks' max (a transposing tree per 16 blocks), scales max / 127 rounded to binary16
+/// and their inverses (one vector division and conversion per 8 blocks); (3) codes round
+/// half away from zero of y / d clamped to +-127, bytes interleaved back. The arithmetic
+/// (products, fused terms, roundings) is that of rotate_rows and q8_0::from_float, so the
+/// bytes are identical to the generic path's (tests/element/test_quant_kshift.cpp). A
+/// block whose stored scale is not finite becomes what from_float makes of NaN values
+/// (NaN scale, zero codes), as in the generic path.
+/// Why passes over the whole unit row: done block by block, the chain max -> scale ->
+/// binary16 -> inverse -> codes (~110 cycles) kept too few blocks in flight (Zen 5: 9 ns
+/// per block in L1); in groups of 16 blocks, pass 3 read pass 1's stores while they
+/// were still in flight (5 ns); a whole unit row: 3.6 ns. The previous code also
+/// converted binary16 in scalar bit code and checked every scale in a separate pass
+/// (25 ns per block).
+inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
+                                     const float* sin_tab) noexcept {
+    using detail_q8::vf;
+    using detail_q8::vl;
+    using detail_q8::vpb;
+    const std::uint32_t n_units = (n_rot + 31) / 32, n_pairs = n_rot / 2;
+    std::uint8_t cells[k_tile];
+    const std::uint32_t ng = detail_q8::moving_cells(mask, cells);
+    alignas(64) float y[k_tile][32];  // [block][even dims (16), odd dims (16)]
+    alignas(64) float m[k_tile][vl];  // lane-wise max |y|
+    alignas(64) float amax[k_tile];
+    alignas(64) float id[k_tile];
+    half hd[k_tile];
+    for (std::uint32_t j = ng; j < (ng + 15) / 16 * 16; ++j)  // (the tree reads whole groups of 16)
+        for (auto& v : m[j]) v = 0.0f;
+#if defined(__AVX512F__)
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u)), low8 = _mm512_set1_epi32(0xff);
+    const __m512i almost_half = _mm512_set1_epi32(0x3effffff);  // nextafter(0.5f, 0)
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 almost_half = _mm256_castsi256_ps(_mm256_set1_epi32(0x3effffff));  // nextafter(0.5f, 0)
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7), min_code = _mm256_set1_epi8(-127);
+    // per 128-bit lane: even codes 0-3, odd 0-3, even 4-7, odd 4-7 -> even/odd interleaved
+    const __m256i inter = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+#endif
+    for (std::uint32_t u = 0; u < n_units; ++u) {
+        vf c[vpb], s[vpb];
+        detail_q8::unit_angles(u, n_pairs, cos_tab, sin_tab, c, s);
         block_q8_0* units = tile + std::size_t{u} * k_tile;
-        for (tile_mask bits = mask; bits != 0; bits &= bits - 1) {
-            block_q8_0& blk = units[static_cast<std::uint32_t>(std::countr_zero(bits))];
-            const __m256 d = _mm256_set1_ps(scalar::f16_to_f32(blk.d));
-            __m256 y[4];
-            __m256 amax = _mm256_setzero_ps();
-            for (int k = 0; k < 4; ++k) {
-                const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * k));
-                const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
-                const __m256 xs = _mm256_permute_ps(x, 0xB1);  // partners: dims 2i <-> 2i + 1
-                const __m256 c = _mm256_load_ps(cd + 8 * k), sn = _mm256_load_ps(sd + 8 * k);
-                const __m256 even = _mm256_fmsub_ps(x, c, _mm256_mul_ps(xs, sn));  // x0 c - x1 s
-                const __m256 odd = _mm256_fmadd_ps(xs, sn, _mm256_mul_ps(x, c));   // x0 s + x1 c
-                y[k] = _mm256_blend_ps(even, odd, 0xAA);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, y[k]));
+        {
+            std::uint32_t bad = 0;  // blocks whose stored scale is not finite
+            // (1) dequantize, rotate (the products and fused terms of rotate_rows), max |y|
+            for (std::uint32_t j = 0; j < ng; ++j) {
+                const block_q8_0& blk = units[cells[j]];
+                std::uint16_t raw;
+                std::memcpy(&raw, &blk.d, sizeof raw);
+                bad |= ((raw & 0x7c00u) == 0x7c00u ? 1u : 0u) << j;
+#if defined(__AVX512F__)
+                const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
+                const __m512i w = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs)));
+                const __m512 x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24)), d);
+                const __m512 x1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(w, 8)), d);
+                const __m512 y0 = _mm512_fmsub_ps(x0, c[0], _mm512_mul_ps(x1, s[0]));
+                const __m512 y1 = _mm512_fmadd_ps(x0, s[0], _mm512_mul_ps(x1, c[0]));
+                _mm512_store_ps(y[j], y0);
+                _mm512_store_ps(y[j] + 16, y1);
+                _mm512_store_ps(m[j], _mm512_max_ps(_mm512_abs_ps(y0), _mm512_abs_ps(y1)));
+#else
+                const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(raw)));
+                __m256 mx = _mm256_setzero_ps();
+                for (std::uint32_t h = 0; h < vpb; ++h) {  // pairs 8h .. 8h + 7
+                    const __m256i w = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs + 16 * h)));
+                    const __m256 x0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24)), d);
+                    const __m256 x1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(w, 8)), d);
+                    const __m256 y0 = _mm256_fmsub_ps(x0, c[h], _mm256_mul_ps(x1, s[h]));
+                    const __m256 y1 = _mm256_fmadd_ps(x0, s[h], _mm256_mul_ps(x1, c[h]));
+                    _mm256_store_ps(y[j] + 8 * h, y0);
+                    _mm256_store_ps(y[j] + 16 + 8 * h, y1);
+                    mx = _mm256_max_ps(mx, _mm256_max_ps(_mm256_andnot_ps(sign, y0), _mm256_andnot_ps(sign, y1)));
+                }
+                _mm256_store_ps(m[j], mx);
+#endif
             }
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-            const half hd = detail::block_scale(_mm_cvtss_f32(m), 127.0f);
-            const float dn = scalar::f16_to_f32(hd);
-            const __m256 id = _mm256_set1_ps(dn != 0.0f && std::isfinite(dn) ? 1.0f / dn : 0.0f);
-            __m256i q[4];
-            for (int k = 0; k < 4; ++k) {
-                const __m256 v = _mm256_mul_ps(y[k], id);
-                const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-                const __m256 frac = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));  // exact
-                const __m256 up = _mm256_and_ps(_mm256_cmp_ps(frac, half_v, _CMP_GE_OQ),
-                                                _mm256_or_ps(one, _mm256_and_ps(sign, v)));  // +-1 away from zero
-                const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, up), qmin), qmax);
-                q[k] = _mm256_cvtps_epi32(r);  // integral already: exact
+            // (2) scales
+            bool clamp = false;
+            for (std::uint32_t h = 0; h < ng; h += 16) {
+                detail_q8::lane_max_16(m + h, amax + h);
+                clamp = detail_q8::scales_16(amax + h, hd + h, id + h) || clamp;
             }
-            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            blk.d = hd;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs), _mm256_permutevar8x32_epi32(p, order));
+            // (3) codes: round(v) half away from zero = trunc(v + copysign(nextafter(0.5, 0), v)),
+            // exact for every float; clamping first (or saturating after) gives the same codes.
+#if defined(__AVX512F__)
+            auto codes = [&](auto clamped) {
+                for (std::uint32_t j = 0; j < ng; ++j) {
+                    block_q8_0& blk = units[cells[j]];
+                    const __m512 r = _mm512_set1_ps(id[j]);
+                    __m512 v0 = _mm512_mul_ps(_mm512_load_ps(y[j]), r), v1 = _mm512_mul_ps(_mm512_load_ps(y[j] + 16), r);
+                    if constexpr (decltype(clamped)::value) {
+                        v0 = _mm512_min_ps(_mm512_max_ps(v0, lo), hi);
+                        v1 = _mm512_min_ps(_mm512_max_ps(v1, lo), hi);
+                    }
+                    const __m512i q0 = _mm512_cvttps_epi32(_mm512_add_ps(
+                        v0, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(v0), sign, almost_half, 0xEA))));
+                    const __m512i q1 = _mm512_cvttps_epi32(_mm512_add_ps(
+                        v1, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(v1), sign, almost_half, 0xEA))));
+                    // word i = even code i | odd code i << 8
+                    const __m512i wq = _mm512_ternarylogic_epi32(q0, low8, _mm512_slli_epi32(q1, 8), 0xEA);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs), _mm512_maskz_cvtepi32_epi16(0xffff, wq));
+                    blk.d = hd[j];
+                }
+            };
+            if (clamp)
+                codes(std::true_type{});
+            else
+                codes(std::false_type{});
+#else
+            static_cast<void>(clamp);  // (the packs saturate)
+            for (std::uint32_t j = 0; j < ng; ++j) {
+                block_q8_0& blk = units[cells[j]];
+                const __m256 r = _mm256_set1_ps(id[j]);
+                __m256i q[4];  // even 0-7, odd 0-7, even 8-15, odd 8-15 (|v| < 2^31: no overflow)
+                for (std::uint32_t k = 0; k < 4; ++k) {
+                    const __m256 v = _mm256_mul_ps(_mm256_load_ps(y[j] + (k % 2) * 16 + (k / 2) * 8), r);
+                    q[k] = _mm256_cvttps_epi32(_mm256_add_ps(v, _mm256_or_ps(_mm256_and_ps(v, sign), almost_half)));
+                }
+                // bytes per 128-bit lane: e0-3 o0-3 e8-11 o8-11 | e4-7 o4-7 e12-15 o12-15 (saturated
+                // to [-128, 127]; -128 raised to -127)
+                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                const __m256i b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(p, order), inter);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs), _mm256_max_epi8(b, min_code));
+                blk.d = hd[j];
+            }
+#endif
+            for (; bad != 0; bad &= bad - 1) [[unlikely]]
+                detail_q8::store_nonfinite(units[cells[static_cast<std::uint32_t>(std::countr_zero(bad))]]);
         }
     }
-    return true;
 }
 #endif
 
@@ -200,9 +393,12 @@ inline void rotate_tile_converted(typename Element::storage_type* tile, std::uin
                                   const tile_rotation& rot, const float* cos_tab, const float* sin_tab) noexcept {
     using T = typename Element::storage_type;
     if constexpr (element_block_size_v<Element> > 1) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
         if constexpr (std::is_same_v<T, block_q8_0>)
-            if (rot.uniform && rotate_tile_q8_0_uniform(tile, n_rot, rot.mask, cos_tab, sin_tab)) return;
+            if (rot.uniform) {
+                rotate_tile_q8_0_uniform(tile, n_rot, rot.mask, cos_tab, sin_tab);
+                return;
+            }
 #endif
         constexpr std::uint32_t B = element_block_size_v<Element>;
         static_assert(B == k_tile, "kvcache: the tiled layouts store block_size 1 or 32");
