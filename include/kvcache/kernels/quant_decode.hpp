@@ -57,6 +57,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define KVCACHE_QDEC_512 1
+#if defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define KVCACHE_QDEC_VNNI 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVCACHE_QDEC_256 1
 #endif
@@ -82,6 +85,12 @@ struct quant_tiles : converted_tiles<Element> {
     /// Bytes of one unit (34 or 18) and offset of its codes after the binary16 scale.
     static constexpr std::size_t unit_bytes = sizeof(T);
     static constexpr std::size_t codes_at = 2;
+#if defined(KVCACHE_QDEC_VNNI)
+    /// Largest |query code|: 127 * 256 + 127, so that each code splits into two signed bytes.
+    static constexpr float q_max = 32639.0f;
+#else
+    static constexpr float q_max = 32767.0f;
+#endif
 
     /// Quantizes the M scaled queries of q_buf ([K row][slot], dk rows) to int16 per block
     /// of 32 rows into k_buf: q16 [slot][row], then the scales dq [slot][block].
@@ -98,15 +107,34 @@ struct quant_tiles : converted_tiles<Element> {
                     finite = finite && std::isfinite(x);
                     amax = std::fabs(x) > amax ? std::fabs(x) : amax;
                 }
-                const float inv = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
-                dq[s * nu + u] = finite ? amax / 32767.0f : std::numeric_limits<float>::quiet_NaN();
+                const float inv = finite && amax > 0.0f ? q_max / amax : 0.0f;
+                dq[s * nu + u] = finite ? amax / q_max : std::numeric_limits<float>::quiet_NaN();
                 for (std::uint32_t i = 0; i < 32; ++i) {
                     const float x = q_buf[(std::size_t{u} * 32 + i) * m + s] * inv;
                     float r = std::nearbyint(x);
-                    r = r > 32767.0f ? 32767.0f : (r < -32767.0f ? -32767.0f : r);
+                    r = r > q_max ? q_max : (r < -q_max ? -q_max : r);
                     q16[s * dk + std::size_t{u} * 32 + i] = static_cast<std::int16_t>(r);
                 }
             }
+#if defined(KVCACHE_QDEC_VNNI)
+        // Each int16 value as two signed bytes, q = 256 hi + lo (lo the signed low byte;
+        // |q| <= q_max keeps hi in -127..127), per slot and block [lo x 32][hi x 32], then
+        // the block sums of q: qb = dq + m * nu, sums after the bytes.
+        auto* qb = reinterpret_cast<std::int8_t*>(dq + m * nu);
+        auto* qsum = reinterpret_cast<std::int32_t*>(dq + m * nu + m * dk / 2);
+        for (std::size_t s = 0; s < m; ++s)
+            for (std::uint32_t u = 0; u < nu; ++u) {
+                std::int32_t sum = 0;
+                for (std::uint32_t i = 0; i < 32; ++i) {
+                    const std::int32_t q = q16[s * dk + std::size_t{u} * 32 + i];
+                    const auto lo = static_cast<std::int8_t>(static_cast<std::uint8_t>(q & 0xFF));
+                    qb[(s * nu + u) * 64 + i] = lo;
+                    qb[(s * nu + u) * 64 + 32 + i] = static_cast<std::int8_t>((q - lo) / 256);
+                    sum += q;
+                }
+                qsum[s * nu + u] = sum;
+            }
+#endif
     }
 
 #if defined(KVCACHE_QDEC_512)
@@ -172,13 +200,76 @@ struct quant_tiles : converted_tiles<Element> {
         }
     }
 
+#if defined(KVCACHE_QDEC_VNNI)
+    /// Codes of 16 units as 8 vectors of unsigned bytes (lane = cell, 4 rows per lane):
+    /// q8_0 codes + 128, q4_0 nibbles as stored (0..15).
+    static void k_codes16u(const char* base, __m512i (&x)[8]) noexcept {
+        k_codes16(base, x);
+        const __m512i off = _mm512_set1_epi8(four_bit ? 8 : -128);
+        for (int g = 0; g < 8; ++g) x[g] = four_bit ? _mm512_add_epi8(x[g], off) : _mm512_xor_si512(x[g], off);
+    }
+
+    /// q.K of the 32 cells of K tile `tile` of head h for M slots into out[s * 32 + cell]:
+    /// vpdpbusd of the unsigned K bytes with the query's low and high bytes (prepare),
+    /// sum = 256 hi + lo - offset * sum(q) per block, exact in int32.
+    template <std::size_t M>
+    void score(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, float* out,
+               [[maybe_unused]] const char* pfk) const noexcept {
+        const std::uint32_t nu = kv.k_units(), dk = kv.dim_k;
+        const float* dq = this->k_buf + (M * dk + 1) / 2;
+        const auto* qb = reinterpret_cast<const char*>(dq + M * nu);
+        const auto* qsum = reinterpret_cast<const std::int32_t*>(dq + M * nu + M * dk / 2);
+        const char* kt = reinterpret_cast<const char*>(kv.k_tile_ptr(h, tile));
+        constexpr std::int32_t koff = four_bit ? 8 : 128;
+        constexpr std::size_t G = M < 4 ? M : 4;  // slots per pass: 2 G int32 accumulators
+        auto bq = [](const char* p) {
+            std::int32_t v;
+            std::memcpy(&v, p, sizeof v);
+            return _mm512_set1_epi32(v);
+        };
+        for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 16) {
+            __m512 f[M];
+            for (std::size_t s = 0; s < M; ++s) f[s] = _mm512_setzero_ps();
+            for (std::uint32_t u = 0; u < nu; ++u) {
+                const std::size_t off = (std::size_t{u} * k_tile + c0) * unit_bytes;
+                const char* base = kt + off;
+                if (pfk != nullptr)
+                    for (std::size_t o = 0; o < 16 * unit_bytes; o += 64) __builtin_prefetch(pfk + off + o, 0, 2);
+                __m512i x[8];
+                k_codes16u(base, x);
+                const __m512 dk16 = scales16(base, static_cast<std::int32_t>(unit_bytes));
+                for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                    __m512i lo[G], hi[G];
+                    for (std::size_t s = 0; s < G; ++s) lo[s] = hi[s] = _mm512_setzero_si512();
+                    for (int g = 0; g < 8; ++g)
+                        for (std::size_t s = 0; s < G; ++s) {
+                            const char* qp = qb + ((s0 + s) * nu + u) * 64 + 4 * g;
+                            lo[s] = _mm512_dpbusd_epi32(lo[s], x[g], bq(qp));
+                            hi[s] = _mm512_dpbusd_epi32(hi[s], x[g], bq(qp + 32));
+                        }
+                    for (std::size_t s = 0; s < G; ++s) {
+                        const std::size_t su = (s0 + s) * nu + u;
+                        const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[s], 8), lo[s]),
+                                                           _mm512_set1_epi32(koff * qsum[su]));
+                        f[s0 + s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dk16, _mm512_set1_ps(dq[su])),
+                                                    f[s0 + s]);
+                    }
+                }
+            }
+            for (std::size_t s = 0; s < M; ++s) _mm512_storeu_ps(out + s * k_tile + c0, f[s]);
+        }
+    }
+#else
     /// q.K of the 32 cells of K tile `tile` of head h for M slots into out[s * 32 + cell].
     template <std::size_t M>
-    void score(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, float* out) const noexcept {
+    void score(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, float* out,
+               [[maybe_unused]] const char* pfk) const noexcept {
         const auto* q16 = reinterpret_cast<const std::int16_t*>(this->k_buf);
         const float* dq = this->k_buf + (M * kv.dim_k + 1) / 2;
         const std::uint32_t nu = kv.k_units(), dk = kv.dim_k;
         const char* kt = reinterpret_cast<const char*>(kv.k_tile_ptr(h, tile));
+        if (pfk != nullptr)  // the next tile's K lines
+            for (std::size_t o = 0; o < std::size_t{k_tile} * nu * unit_bytes; o += 64) __builtin_prefetch(pfk + o, 0, 2);
         const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         const __m512i dup_hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
         constexpr std::size_t G = M < 4 ? M : 4;  // slots per pass: 2 G int32 accumulators
@@ -229,6 +320,8 @@ struct quant_tiles : converted_tiles<Element> {
                                  _mm512_add_ps(_mm512_permutex2var_ps(f[hh][s][0], ev, f[hh][s][1]),
                                                _mm512_permutex2var_ps(f[hh][s][0], od, f[hh][s][1])));
     }
+
+#endif  // KVCACHE_QDEC_VNNI
 
     /// 16 values of a unit's codes (first: values 0..15, else 16..31) as floats (q4_0: the
     /// codes 0..15, not re-centred).
@@ -298,7 +391,8 @@ struct quant_tiles : converted_tiles<Element> {
     }
 
     template <std::size_t M>
-    void score(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, float* out) const noexcept {
+    void score(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, float* out,
+               [[maybe_unused]] const char* pfk) const noexcept {
         const auto* q16 = reinterpret_cast<const std::int16_t*>(this->k_buf);
         const float* dq = this->k_buf + (M * kv.dim_k + 1) / 2;
         const std::uint32_t nu = kv.k_units(), dk = kv.dim_k;
@@ -309,7 +403,10 @@ struct quant_tiles : converted_tiles<Element> {
         for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 8) {
             alignas(32) float f[M][2][8] = {};
             for (std::uint32_t u = 0; u < nu; ++u) {
-                const char* base = kt + (std::size_t{u} * k_tile + c0) * unit_bytes;
+                const std::size_t off = (std::size_t{u} * k_tile + c0) * unit_bytes;
+                const char* base = kt + off;
+                if (pfk != nullptr)  // the next tile's K lines, spread over the loop
+                    for (std::size_t o = 0; o < 8 * unit_bytes; o += 64) __builtin_prefetch(pfk + off + o, 0, 2);
                 __m256i x[8];
                 k_codes8(base, x);
                 const __m256 dk8 = scales8(base, static_cast<std::int32_t>(unit_bytes));
@@ -349,6 +446,164 @@ struct quant_tiles : converted_tiles<Element> {
 
 #endif  // KVCACHE_QDEC_256
 
+#if defined(KVCACHE_QDEC_VNNI)
+    /// accumulate() with integer products (AVX-512 VNNI): per slot and V unit, the folded
+    /// weights w = p * d_v of the tile's 32 cells are quantized to int16 against the bound
+    /// max(p) * max|d_v| (scale sw), and vpdpwssd adds w16[j] * code[j] + w16[j+1] *
+    /// code[j+1] for two cells at once into exact int32 sums; at the end of the unit
+    /// acc = acc * alpha + sw * sum. A slot whose p or visible d_v is not finite gets
+    /// sw = NaN (its row becomes NaN, as with the float products); cells outside its mask
+    /// get w16 = 0.
+    template <std::size_t M>
+    void accumulate_int(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, tile_mask any,
+                        const tile_mask* mask, const float* p_buf, float* acc, const float* alpha, bool rescale,
+                        const char* pfv) const noexcept {
+        const std::uint32_t dv = kv.dim_v, nv = kv.v_units();
+        const bool vt = kv.vl == v_layout::transposed;
+        const T* vtile = vt ? kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile : kv.v_tile_ptr(h, tile);
+        auto* w16 = reinterpret_cast<std::int32_t*>(this->v_buf);  // [slot][16 dwords]: the packed int16 weights
+        constexpr float w_max = 32767.0f;
+        // Per slot: p / max(p) * w_max (the slot's tile bound), and whether p is finite.
+        __m512 pn[M][2];
+        float pmax[M];
+        bool pbad[M];
+        for (std::size_t s = 0; s < M; ++s) {
+            const __m512 p0 = _mm512_loadu_ps(p_buf + s * k_tile), p1 = _mm512_loadu_ps(p_buf + s * k_tile + 16);
+            pbad[s] = (_mm512_fpclass_ps_mask(p0, 0x99) | _mm512_fpclass_ps_mask(p1, 0x99)) != 0;
+            pmax[s] = _mm512_reduce_max_ps(_mm512_max_ps(p0, p1));  // p >= 0
+            const __m512 f = _mm512_set1_ps(pmax[s] > 0.0f ? w_max / pmax[s] : 0.0f);
+            pn[s][0] = _mm512_mul_ps(p0, f);
+            pn[s][1] = _mm512_mul_ps(p1, f);
+        }
+        // Dword of the packed weights (vpackssdw of cells 0..15 and 16..31) holding cells 2P, 2P + 1.
+        auto pair_dword = [](std::uint32_t P) { return P < 8 ? 4 * (P / 2) + P % 2 : 4 * ((P - 8) / 2) + 2 + P % 2; };
+        const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        // Pairs of cells with a cell some slot sees.
+        std::uint32_t pairs = 0;
+        for (std::uint32_t P = 0; P < 16; ++P) pairs |= ((any >> (2 * P)) & 3u) != 0 ? 1u << P : 0u;
+        // Weights of every unit first: the loads of the loop below then find the stores retired
+        // (a broadcast load right after the vector store that writes it waits for it).
+        float* sw_all = this->v_buf + std::size_t{nv} * M * 16;  // [unit][slot] after the weights
+        for (std::uint32_t u = 0; u < nv; ++u) {
+            const T* ub;
+            std::size_t us;
+            if (vt) {
+                ub = vtile + std::size_t{u} * kv.n_cells_pad;
+                us = 1;
+            } else {
+                const std::uint32_t d0 = u * 32 / v_block * v_block;
+                const std::uint32_t bw = dv - d0 < v_block ? dv - d0 : v_block;
+                ub = vtile + (std::size_t{d0} * k_tile + (u * 32 - d0)) / 32;
+                us = bw / 32;
+            }
+            const char* ubc = reinterpret_cast<const char*>(ub);
+            const std::size_t cstep = us * unit_bytes;  // bytes between cells
+            const auto stride = static_cast<std::int32_t>(cstep);
+            // d_v of the cells some slot sees, normalized by their max |d_v|.
+            const auto any0 = static_cast<__mmask16>(any), any1 = static_cast<__mmask16>(any >> 16);
+            const __m512 r0 = scales16(ubc, stride), r1 = scales16(ubc + 16 * cstep, stride);
+            const auto bad0 = static_cast<__mmask16>(_mm512_mask_fpclass_ps_mask(any0, r0, 0x99));
+            const auto bad1 = static_cast<__mmask16>(_mm512_mask_fpclass_ps_mask(any1, r1, 0x99));
+            const tile_mask dbad = tile_mask{bad0} | tile_mask{bad1} << 16;
+            // (the finite ones: a NaN / inf scale only reaches the slots that see it, through sw)
+            const __m512 d0v = _mm512_maskz_mov_ps(static_cast<__mmask16>(any0 & ~bad0), r0);
+            const __m512 d1v = _mm512_maskz_mov_ps(static_cast<__mmask16>(any1 & ~bad1), r1);
+            const float dmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(d0v), _mm512_abs_ps(d1v)));
+            const __m512 dinv = _mm512_set1_ps(dmax > 0.0f ? 1.0f / dmax : 0.0f);
+            const __m512 dn0 = _mm512_mul_ps(d0v, dinv), dn1 = _mm512_mul_ps(d1v, dinv);
+            float* sw = sw_all + u * M;
+            for (std::size_t s = 0; s < M; ++s) {
+                const __m512i i0 = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(static_cast<__mmask16>(mask[s]), pn[s][0], dn0));
+                const __m512i i1 =
+                    _mm512_cvtps_epi32(_mm512_maskz_mul_ps(static_cast<__mmask16>(mask[s] >> 16), pn[s][1], dn1));
+                _mm512_storeu_si512(w16 + (u * M + s) * 16, _mm512_packs_epi32(i0, i1));
+                sw[s] = pbad[s] || (dbad & mask[s]) != 0 ? std::numeric_limits<float>::quiet_NaN()
+                                                         : pmax[s] * dmax / w_max;
+            }
+        }
+        for (std::uint32_t u = 0; u < nv; ++u) {
+            const T* ub;
+            std::size_t us;
+            if (vt) {
+                ub = vtile + std::size_t{u} * kv.n_cells_pad;
+                us = 1;
+            } else {
+                const std::uint32_t d0 = u * 32 / v_block * v_block;
+                const std::uint32_t bw = dv - d0 < v_block ? dv - d0 : v_block;
+                ub = vtile + (std::size_t{d0} * k_tile + (u * 32 - d0)) / 32;
+                us = bw / 32;
+            }
+            const char* ubc = reinterpret_cast<const char*>(ub);
+            const std::size_t cstep = us * unit_bytes;  // bytes between cells
+            float* ap = acc + std::size_t{u} * 32;
+            const float* sw = sw_all + u * M;
+            const std::int32_t* wu = w16 + u * M * 16;
+            const char* pfu = pfv != nullptr ? pfv + (ubc - reinterpret_cast<const char*>(vtile)) : nullptr;
+            constexpr std::size_t G = M < 4 ? M : 4;  // slots per pass: 2 G int32 accumulators
+            for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                __m512i ia[G][2];
+                for (std::size_t s = 0; s < G; ++s) ia[s][0] = ia[s][1] = _mm512_setzero_si512();
+                auto pair = [&](std::uint32_t P) {
+                    const char* ca = ubc + 2 * P * cstep + codes_at;
+                    if (pfu != nullptr && s0 == 0) {
+                        __builtin_prefetch(pfu + 2 * P * cstep, 0, 2);
+                        __builtin_prefetch(pfu + (2 * P + 1) * cstep, 0, 2);
+                    }
+                    __m512i lo, hi;
+                    if constexpr (!four_bit) {
+                        const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ca)));
+                        const __m512i b =
+                            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ca + cstep)));
+                        lo = _mm512_unpacklo_epi16(a, b);  // dims 0-3, 8-11, 16-19, 24-27 (pairs of cells)
+                        hi = _mm512_unpackhi_epi16(a, b);  // dims 4-7, 12-15, 20-23, 28-31
+                    } else {
+                        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ca));
+                        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ca + cstep));
+                        const __m512i x = _mm512_cvtepu8_epi16(
+                            _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1));
+                        const __m512i eight = _mm512_set1_epi16(8);
+                        lo = _mm512_sub_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x0F)), eight);  // dims 0..15
+                        hi = _mm512_sub_epi16(_mm512_srli_epi16(x, 4), eight);                       // dims 16..31
+                    }
+                    const std::uint32_t dw = pair_dword(P);
+                    for (std::size_t s = 0; s < G; ++s) {
+                        const __m512i wv = _mm512_set1_epi32(wu[(s0 + s) * 16 + dw]);
+                        ia[s][0] = _mm512_dpwssd_epi32(ia[s][0], lo, wv);
+                        ia[s][1] = _mm512_dpwssd_epi32(ia[s][1], hi, wv);
+                    }
+                };
+                if (pairs == 0xFFFFu)
+                    for (std::uint32_t P = 0; P < 16; ++P) pair(P);
+                else
+                    for (std::uint32_t bits = pairs; bits != 0; bits &= bits - 1)
+                        pair(static_cast<std::uint32_t>(std::countr_zero(bits)));
+                for (std::size_t s = 0; s < G; ++s) {
+                    const __m512 f0 = _mm512_cvtepi32_ps(ia[s][0]), f1 = _mm512_cvtepi32_ps(ia[s][1]);
+                    __m512 r0, r1;
+                    if constexpr (!four_bit) {
+                        r0 = _mm512_permutex2var_ps(f0, lo_idx, f1);
+                        r1 = _mm512_permutex2var_ps(f0, hi_idx, f1);
+                    } else {
+                        r0 = f0;
+                        r1 = f1;
+                    }
+                    float* as = ap + (s0 + s) * dv;
+                    __m512 a0 = _mm512_loadu_ps(as), a1 = _mm512_loadu_ps(as + 16);
+                    if (rescale) {
+                        const __m512 al = _mm512_set1_ps(alpha[s0 + s]);
+                        a0 = _mm512_mul_ps(a0, al);
+                        a1 = _mm512_mul_ps(a1, al);
+                    }
+                    const __m512 sv = _mm512_set1_ps(sw[s0 + s]);
+                    _mm512_storeu_ps(as, _mm512_fmadd_ps(r0, sv, a0));
+                    _mm512_storeu_ps(as + 16, _mm512_fmadd_ps(r1, sv, a1));
+                }
+            }
+        }
+    }
+#endif  // KVCACHE_QDEC_VNNI
+
 #if defined(KVCACHE_QDEC_512) || defined(KVCACHE_QDEC_256)
     /// acc[s] = acc[s] * alpha[s] (when rescale) + sum over the cells of mask[s] of
     /// p[s][cell] * V[cell], for V tile `tile` of head h (row-major or transposed). The
@@ -358,8 +613,12 @@ struct quant_tiles : converted_tiles<Element> {
     /// are visited in address order. p_buf: M x 32; acc: M x dv.
     template <std::size_t M>
     void accumulate(const kv_layer_view<const T>& kv, std::uint32_t h, std::uint32_t tile, tile_mask any,
-                    const tile_mask* mask, const float* p_buf, float* acc, const float* alpha,
-                    bool rescale) const noexcept {
+                    const tile_mask* mask, const float* p_buf, float* acc, const float* alpha, bool rescale,
+                    [[maybe_unused]] const char* pfv) const noexcept {
+#if defined(KVCACHE_QDEC_VNNI)
+        accumulate_int<M>(kv, h, tile, any, mask, p_buf, acc, alpha, rescale, pfv);
+        return;
+#endif
         const std::uint32_t dv = kv.dim_v, nv = kv.v_units();
         const bool vt = kv.vl == v_layout::transposed;
         const T* vtile = vt ? kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile : kv.v_tile_ptr(h, tile);
@@ -382,6 +641,8 @@ struct quant_tiles : converted_tiles<Element> {
             const std::size_t cstep = us * unit_bytes;  // bytes between cells
             const auto stride = static_cast<std::int32_t>(cstep);
             float* ap = acc + std::size_t{u} * 32;
+            // The V lines of tile pf (pfv) at the units read here, spread over the loop.
+            const char* pfu = pfv != nullptr ? pfv + (ubc - reinterpret_cast<const char*>(vtile)) : nullptr;
 #if defined(KVCACHE_QDEC_512)
             const __m512 d0v = scales16(ubc, stride), d1v = scales16(ubc + 16 * cstep, stride);
             for (std::size_t s = 0; s < M; ++s) {
@@ -401,6 +662,7 @@ struct quant_tiles : converted_tiles<Element> {
                         if (rescale) a[s][v] = _mm512_mul_ps(a[s][v], _mm512_set1_ps(alpha[s0 + s]));
                     }
                 auto cell = [&](std::uint32_t j) {
+                    if (pfu != nullptr && s0 == 0) __builtin_prefetch(pfu + j * cstep, 0, 2);
                     __m512 x0, x1;
                     v_values(ubc + j * cstep, x0, x1);
                     for (std::size_t s = 0; s < G; ++s) {
@@ -452,6 +714,7 @@ struct quant_tiles : converted_tiles<Element> {
                             if (rescale) a[s][v] = _mm256_mul_ps(a[s][v], _mm256_set1_ps(alpha[s0 + s]));
                         }
                     auto cell = [&](std::uint32_t j) {
+                        if (pfu != nullptr && half == 0 && s0 == 0) __builtin_prefetch(pfu + j * cstep, 0, 2);
                         const char* un = ubc + j * cstep + codes_at;
                         __m256 x0, x1;
                         if constexpr (!four_bit) {
@@ -488,10 +751,10 @@ struct quant_tiles : converted_tiles<Element> {
     }
 #else
     template <std::size_t M>
-    void score(const kv_layer_view<const T>&, std::uint32_t, std::uint32_t, float*) const noexcept {}
+    void score(const kv_layer_view<const T>&, std::uint32_t, std::uint32_t, float*, const char*) const noexcept {}
     template <std::size_t M>
     void accumulate(const kv_layer_view<const T>&, std::uint32_t, std::uint32_t, tile_mask, const tile_mask*,
-                    const float*, float*, const float*, bool) const noexcept {}
+                    const float*, float*, const float*, bool, const char*) const noexcept {}
 #endif
 };
 
