@@ -21,9 +21,10 @@
 //   block sum = 256 hi + lo - offset * sum(q), exact in int32, one lane per cell (no sign
 //   extension of K, no lane pairs to add at the end).
 // - prefetch: the next tile's K lines (and V lines one tile further) are asked for spread
-//   over the score / accumulate loops, one unit's lines per step. The burst of all lines at
-//   the start of the tile that was here before measured 8.2 ms for a q8_0 16K decode on the
-//   Zen 5 VM against 3.0-3.8 ms spread (no prefetch at all: 13.4 ms).
+//   over the score / accumulate loops, one unit's lines per step. q8_0 16K-cell decode,
+//   1 thread, Zen 5 VM (contended), f16 time / q8_0 time in alternating runs: 0.52-0.60
+//   with the burst of all lines at the start of the tile that was here before, 0.72-0.90
+//   spread, 0.48-0.50 with no prefetch at all.
 // - accumulate (p.V, f32): the block scale is folded into the probability (w = p * d_v per
 //   cell, block and slot, exactly 0 for a cell the slot does not see), each V unit is
 //   widened int8 -> int32 -> f32 in registers and accumulated with FMAs. q4_0 codes are
