@@ -393,20 +393,11 @@ private:
     // rows from L1 and converts them again (512 x 512 prefill: 0.99-1.02x, mean 1.007x).
     void score_tile(std::uint32_t tile, fbatch (&sc)[M][B]) noexcept {
         if constexpr (quant) {
-            if (pf_t_ != tile) {
-                // The next visible tile's K and V: this path reads K, then V (not both at once
-                // as the fused loop does), so the lines are asked for one tile ahead.
-                const char* pk = reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_));
-                const std::size_t k_bytes = std::size_t{k_tile} * kv_.k_units() * sizeof(T);
-                for (std::size_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2);
-                if (!vt_) {
-                    const char* pv = reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
-                    const std::size_t v_bytes = std::size_t{k_tile} * kv_.v_units() * sizeof(T);
-                    for (std::size_t off = 0; off < v_bytes; off += 64) __builtin_prefetch(pv + off, 0, 2);
-                }
-            }
+            // The next visible tile's K lines, asked for while this one is read (quant_tiles
+            // spreads them over its loop; a burst of all of them at once measured slower).
+            const char* pfk = pf_t_ != tile ? reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_)) : nullptr;
             alignas(64) float out[M * k_tile];
-            conv_->template score<M>(kv_, h_, tile, out);
+            conv_->template score<M>(kv_, h_, tile, out, pfk);
             for (std::size_t s = 0; s < M; ++s)
                 for (std::size_t b = 0; b < B; ++b) sc[s][b] = fbatch::load_aligned(out + s * k_tile + b * L);
             return;
@@ -526,7 +517,10 @@ private:
     void accumulate_tile(std::uint32_t tile, tile_mask any, tile_mask mixed, const tile_mask* mask, const float* alpha,
                          bool rescale) noexcept {
         if constexpr (quant) {
-            conv_->template accumulate<M>(kv_, h_, tile, any, mask, p_buf_, st_.acc, alpha, rescale);
+            // V lines of the tile after the next one (pf_t_), spread over the loop as for K.
+            const char* pfv =
+                !vt_ && pf_t_ != tile ? reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_)) : nullptr;
+            conv_->template accumulate<M>(kv_, h_, tile, any, mask, p_buf_, st_.acc, alpha, rescale, pfv);
             return;
         }
         const std::uint32_t dv = dv_;
