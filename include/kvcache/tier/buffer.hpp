@@ -14,7 +14,7 @@
 #include "../layout/kv_storage.hpp"  // huge_page_bytes, detail::advise_huge_pages
 
 KVCACHE_BEGIN_NAMESPACE
-namespace tier::detail {
+namespace detail {
 
 /// Makes v hold n bytes, about to be overwritten whole (its old contents are dropped
 /// when it has to grow). A growth to two huge pages or more allocates anew and advises
@@ -25,11 +25,11 @@ inline void resize_blob_buffer(std::vector<std::byte>& v, std::size_t n) {
         fresh.reserve(n);  // allocated, not yet touched
         const auto b = reinterpret_cast<std::uintptr_t>(fresh.data());
         const std::uintptr_t a = (b + huge_page_bytes - 1) & ~(std::uintptr_t{huge_page_bytes} - 1);
-        if (a < b + n) static_cast<void>(kvcache::detail::advise_huge_pages(reinterpret_cast<void*>(a), b + n - a));
+        if (a < b + n) static_cast<void>(advise_huge_pages(reinterpret_cast<void*>(a), b + n - a));
         v.swap(fresh);
     }
     v.resize(n);
 }
 
-}  // namespace tier::detail
+}  // namespace detail
 KVCACHE_END_NAMESPACE

@@ -132,7 +132,7 @@ public:
         bool ok = ::fstat(fd, &st) == 0;
         const auto size = ok ? static_cast<std::size_t>(st.st_size) : 0;
         if (ok) {
-            detail::resize_blob_buffer(out, size);
+            kvcache::detail::resize_blob_buffer(out, size);
             std::size_t done = 0;
             while (ok && done < size) {
                 const ::ssize_t r = ::read(fd, out.data() + done, size - done);

@@ -113,7 +113,7 @@ template <class Memory>
 [[nodiscard]] inline std::vector<prefix_key> block_keys(const prompt_tokens& p, std::uint32_t block_tokens,
                                                         const sha256_digest& fingerprint, std::uint64_t salt,
                                                         std::size_t max_tokens = SIZE_MAX) {
-    if (block_tokens == 0) detail::fail(errc::invalid_argument, "tier::block_keys: block_tokens = 0, must be >= 1");
+    if (block_tokens == 0) kvcache::detail::fail(errc::invalid_argument, "tier::block_keys: block_tokens = 0, must be >= 1");
     sha256 h;
     h.update(std::string_view("kvcache-tier-key"));
     h.update_u64(key_version);

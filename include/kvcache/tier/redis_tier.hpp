@@ -163,7 +163,7 @@ public:
             r = nullptr;
             hit = get_chunks(rk, total, chunk, out);
         } else if (hit) {
-            detail::resize_blob_buffer(out, r->len);
+            kvcache::detail::resize_blob_buffer(out, r->len);
             if (r->len > 0) std::memcpy(out.data(), r->str, r->len);
         }
         if (hit) ++stats_.get_hits;
@@ -250,7 +250,7 @@ private:
     /// Reads the chunks of a manifest's entry into out; false (a miss) when one is missing
     /// or has the wrong length.
     bool get_chunks(const std::string& rk, std::size_t total, std::size_t chunk, std::vector<std::byte>& out) {
-        detail::resize_blob_buffer(out, total);
+        kvcache::detail::resize_blob_buffer(out, total);
         for (std::size_t i = 0, at = 0; at < total; ++i, at += chunk) {
             const std::string ck = rk + "#" + std::to_string(i);
             redisReply* r = command(ck, {"GET", ck});

@@ -55,7 +55,7 @@ public:
         erase(k);
         lru_.push_front(k);
         std::vector<std::byte> bytes;
-        detail::resize_blob_buffer(bytes, blob.size());
+        kvcache::detail::resize_blob_buffer(bytes, blob.size());
         if (!blob.empty()) std::memcpy(bytes.data(), blob.data(), blob.size());
         map_.emplace(k, item{std::move(bytes), lru_.begin()});
         bytes_ += blob.size();
@@ -70,7 +70,7 @@ public:
         if (it == map_.end()) return false;
         lru_.splice(lru_.begin(), lru_, it->second.pos);
         const std::vector<std::byte>& b = it->second.bytes;
-        detail::resize_blob_buffer(out, b.size());
+        kvcache::detail::resize_blob_buffer(out, b.size());
         if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());
         return true;
     }
