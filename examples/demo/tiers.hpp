@@ -388,36 +388,34 @@ private:
         return demo::compare_logits(got.data(), cold_logits_.data(), got.size());
     }
 
-    row make_row(int round, const std::string& what, const demo::response& r, std::optional<double> expected) const {
+    /// The fields every tier row shares: round, request, the tier that served it, TTFT.
+    row base_row(int round, const std::string& what, const std::string& tier, double ttft_ms,
+                 std::optional<double> expected) const {
         row x;
         x.scenario = "tiers";
         x.cache_type = std::string(E::name);
         x.round = round;
         x.what = what;
         x.n_prompt = base_.size();
-        x.m = r.metrics;
-        x.tier = r.metrics.tier >= 0 ? tier_name(r.metrics.tier) : "";
-        x.ttft_ms = r.ttft_ms;
-        x.ratio = r.ttft_ms / cold_ms_;
+        x.tier = tier;
+        x.ttft_ms = ttft_ms;
+        x.ratio = ttft_ms / cold_ms_;
         x.expected_max = expected;
+        return x;
+    }
+
+    row make_row(int round, const std::string& what, const demo::response& r, std::optional<double> expected) const {
+        row x = base_row(round, what, r.metrics.tier >= 0 ? tier_name(r.metrics.tier) : "", r.ttft_ms, expected);
+        x.m = r.metrics;
         return x;
     }
 
     /// The row of a hit that must come from tier `want` (also a child's).
     row hit_row(int round, const std::string& what, const hit& h, int want, double expected) const {
-        row x;
-        x.scenario = "tiers";
-        x.cache_type = std::string(E::name);
-        x.round = round;
-        x.what = what;
-        x.n_prompt = base_.size();
-        x.tier = h.tier == "-" ? "" : h.tier;
+        row x = base_row(round, what, h.tier == "-" ? "" : h.tier, h.ttft_ms, expected);
         x.m.from_tier = h.from_tier;
         x.m.n_request = static_cast<std::uint32_t>(base_.size());
         x.m.computed = static_cast<std::uint32_t>(base_.size()) - h.from_tier;
-        x.ttft_ms = h.ttft_ms;
-        x.ratio = h.ttft_ms / cold_ms_;
-        x.expected_max = expected;
         x.max_abs_diff = h.logits.max_abs_diff;
         x.argmax_match = h.logits.argmax_same;
         const bool from_ok = h.tier == tier_name(want) && h.from_tier > 0;
