@@ -769,51 +769,6 @@ TEST_CASE("q8_0 / q4_0: bad inputs") {
     }
 }
 
-TEST_CASE("q8_0: the in-register K-shift writes the generic path's bytes (uniform delta, partial rotary, masks)") {
-    // The uniform-delta fast path (kernels/kshift.hpp, AVX2 + FMA builds) against the
-    // generic one (dequantize, rotate_rows, q8_0::from_float), reached with the same angles
-    // given per lane; the generic path is what the other K-shift tests check against float64.
-    using kvcache::block_q8_0;
-    namespace kk = kvcache::kernels;
-    std::mt19937 rng(77);
-    std::normal_distribution<float> nd(0.0f, 3.0f);
-    for (std::uint32_t n_rot : {128u, 96u, 40u, 32u}) {
-        constexpr std::uint32_t dim = 128, n_units = dim / 32;
-        std::vector<block_q8_0> tile(std::size_t{n_units} * kvcache::k_tile);
-        std::vector<float> vals(32);
-        for (auto& b : tile) {
-            for (auto& x : vals) x = nd(rng);
-            kvcache::q8_0::from_float(vals.data(), &b, 32);
-        }
-        std::vector<float> cs(n_rot / 2), sn(n_rot / 2);
-        for (std::uint32_t i = 0; i < n_rot / 2; ++i) {
-            const double th = 7.0 * std::pow(10000.0, -2.0 * i / n_rot);
-            cs[i] = static_cast<float>(std::cos(th));
-            sn[i] = static_cast<float>(std::sin(th));
-        }
-        std::vector<float> lane_c(std::size_t{n_rot / 2} * kvcache::k_tile), lane_s(lane_c.size());
-        for (std::uint32_t i = 0; i < n_rot / 2; ++i)
-            for (std::uint32_t j = 0; j < kvcache::k_tile; ++j) {
-                lane_c[std::size_t{i} * kvcache::k_tile + j] = cs[i];
-                lane_s[std::size_t{i} * kvcache::k_tile + j] = sn[i];
-            }
-        for (kvcache::tile_mask mask : {kvcache::tile_mask{0xffffffffu}, kvcache::tile_mask{0x80000001u}, kvcache::tile_mask{0x00f0f0f0u}}) {
-            CAPTURE(n_rot);
-            CAPTURE(mask);
-            auto fast = tile, generic = tile;
-            kk::tile_rotation uni;
-            uni.mask = mask;
-            uni.uniform = true;
-            kk::rotate_tile_converted<kvcache::q8_0>(fast.data(), n_rot, uni, cs.data(), sn.data());
-            kk::tile_rotation lanes;
-            lanes.mask = mask;
-            lanes.lane_cos = lane_c.data();
-            lanes.lane_sin = lane_s.data();
-            kk::rotate_tile_converted<kvcache::q8_0>(generic.data(), n_rot, lanes, nullptr, nullptr);
-            CHECK(fast == generic);
-            std::size_t moved = 0;
-            for (std::size_t b = 0; b < tile.size(); ++b) moved += fast[b] == tile[b] ? 0 : 1;
-            CHECK(moved > 0);
-        }
-    }
-}
+// The in-register q8_0 K-shift against the generic path and a scalar recomputation, byte
+// for byte: tests/kernels/test_kshift_quant.cpp (built in the generic, native and AVX2
+// flavours).
