@@ -128,19 +128,26 @@ void qks_angles(std::uint32_t n_rot, double delta, std::vector<float>& cs, std::
     }
 }
 
-}  // namespace
-
-TEST_CASE("q8_0 K-shift kernel: the uniform path writes the generic path's bytes (masks, partial rotary, scales)") {
-    std::mt19937 rng(2029);
+/// qks_check over head dims 128 down to 2, three deltas and six masks, a fresh tile
+/// make(rng) per head dim and delta; then also(tile, out, n_rot, mask, cs, sn).
+template <class E, class Make, class Also>
+void qks_sweep(std::uint32_t seed, Make make, Also also) {
+    std::mt19937 rng(seed);
     const kvcache::tile_mask masks[] = {0xffffffffu, 0x80000001u, 0x00f0f0f0u, 0x00000100u, 0xfffe7fffu, 0x0001ffffu};
     std::vector<float> cs, sn;
     for (std::uint32_t n_rot : {128u, 96u, 66u, 40u, 32u, 2u}) {
         for (double delta : {7.0, -1.0, 123456.0}) {
             qks_angles(n_rot, delta, cs, sn);
-            const auto tile = qks_tile(rng);
-            for (const auto mask : masks) qks_check<kvcache::q8_0>(tile, n_rot, mask, cs, sn);
+            const auto tile = make(rng);
+            for (const auto mask : masks) also(tile, qks_check<E>(tile, n_rot, mask, cs, sn), n_rot, mask, cs, sn);
         }
     }
+}
+
+}  // namespace
+
+TEST_CASE("q8_0 K-shift kernel: the uniform path writes the generic path's bytes (masks, partial rotary, scales)") {
+    qks_sweep<kvcache::q8_0>(2029, qks_tile, [](const auto&...) {});
 }
 
 TEST_CASE("q8_0 K-shift kernel: non-finite stored scales become from_float's NaN block, other cells unaffected") {
@@ -288,19 +295,7 @@ void q4_double_check(const std::vector<block_q4_0>& in, const std::vector<block_
 }  // namespace
 
 TEST_CASE("q4_0 K-shift kernel: the uniform path writes the generic path's bytes, within the float64 rotation") {
-    std::mt19937 rng(2926);
-    const kvcache::tile_mask masks[] = {0xffffffffu, 0x80000001u, 0x00f0f0f0u, 0x00000100u, 0xfffe7fffu, 0x0001ffffu};
-    std::vector<float> cs, sn;
-    for (std::uint32_t n_rot : {128u, 96u, 66u, 40u, 32u, 2u}) {
-        for (double delta : {7.0, -1.0, 123456.0}) {
-            qks_angles(n_rot, delta, cs, sn);
-            const auto tile = q4_tile(rng);
-            for (const auto mask : masks) {
-                const auto out = qks_check<kvcache::q4_0>(tile, n_rot, mask, cs, sn);
-                q4_double_check(tile, out, n_rot, mask, cs, sn);
-            }
-        }
-    }
+    qks_sweep<kvcache::q4_0>(2926, q4_tile, q4_double_check);
 }
 
 TEST_CASE("q4_0 K-shift kernel: ties of magnitude, zero and -0 scales, quarter turns") {

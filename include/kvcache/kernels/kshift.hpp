@@ -153,6 +153,15 @@ inline void store_nonfinite(block_q8_0& blk) noexcept {
     for (auto& q : blk.qs) q = 0;
 }
 
+/// The bits of block j's stored scale; sets bit j of bad when the scale is not finite.
+template <class Block>
+inline std::uint16_t scale_bits(const Block& blk, std::uint32_t j, std::uint32_t& bad) noexcept {
+    std::uint16_t raw;
+    std::memcpy(&raw, &blk.d, sizeof raw);
+    bad |= ((raw & 0x7c00u) == 0x7c00u ? 1u : 0u) << j;
+    return raw;
+}
+
 /// The moving cells of a mask, in increasing order; returns how many.
 inline std::uint32_t moving_cells(tile_mask mask, std::uint8_t (&cells)[k_tile]) noexcept {
     std::uint32_t n = 0;
@@ -294,9 +303,7 @@ inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile
             // (1) dequantize, rotate (the products and fused terms of rotate_rows), max |y|
             for (std::uint32_t j = 0; j < ng; ++j) {
                 const block_q8_0& blk = units[cells[j]];
-                std::uint16_t raw;
-                std::memcpy(&raw, &blk.d, sizeof raw);
-                bad |= ((raw & 0x7c00u) == 0x7c00u ? 1u : 0u) << j;
+                const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
 #if defined(__AVX512F__)
                 const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
                 const __m512i w = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs)));
@@ -512,9 +519,7 @@ inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile
         // (1) dequantize, rotate, max |y|
         for (std::uint32_t j = 0; j < ng; ++j) {
             const block_q4_0& blk = units[cells[j]];
-            std::uint16_t raw;
-            std::memcpy(&raw, &blk.d, sizeof raw);
-            bad |= ((raw & 0x7c00u) == 0x7c00u ? 1u : 0u) << j;
+            const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
             const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
 #if defined(__AVX512F__)
             const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
