@@ -128,6 +128,18 @@ void qks_angles(std::uint32_t n_rot, double delta, std::vector<float>& cs, std::
     }
 }
 
+/// Non-finite stored scales (NaN, +-inf, NaN payloads) in 24 blocks: moving and still
+/// cells, several unit rows.
+template <class Block>
+void qks_poison(std::vector<Block>& tile) {
+    const std::uint16_t bad[] = {0x7e00u, 0x7c00u, 0xfc00u, 0x7c01u, 0xfe00u};
+    for (std::size_t k = 0; k < 24; ++k) {
+        const std::size_t b = (k * 37) % tile.size();
+        const std::uint16_t bits = bad[k % 5];
+        std::memcpy(&tile[b].d, &bits, sizeof bits);
+    }
+}
+
 /// qks_check over head dims 128 down to 2, three deltas and six masks, a fresh tile
 /// make(rng) per head dim and delta; then also(tile, out, n_rot, mask, cs, sn).
 template <class E, class Make, class Also>
@@ -144,6 +156,34 @@ void qks_sweep(std::uint32_t seed, Make make, Also also) {
     }
 }
 
+/// Tiles from make(seed) with qks_poison's scales, two masks: qks_check, then also(...);
+/// the moved blocks of non-finite scale read NaN with every code byte nan_byte, and
+/// (finite_stays) the blocks of finite scale keep a finite scale.
+template <class E, class Make, class Also>
+void qks_nonfinite(std::uint32_t seed, Make make, std::uint8_t nan_byte, bool finite_stays, Also also) {
+    std::mt19937 rng(seed);
+    std::vector<float> cs, sn;
+    qks_angles(128, 5.0, cs, sn);
+    auto tile = make(rng);
+    qks_poison(tile);
+    for (const kvcache::tile_mask mask : {kvcache::tile_mask{0xffffffffu}, kvcache::tile_mask{0x55555555u}}) {
+        const auto out = qks_check<E>(tile, 128, mask, cs, sn);
+        also(tile, out, 128, mask, cs, sn);
+        std::size_t nan_blocks = 0;
+        for (std::size_t b = 0; b < out.size(); ++b) {
+            const float d = kvcache::scalar::f16_to_f32(out[b].d);
+            if (!std::isfinite(kvcache::scalar::f16_to_f32(tile[b].d)) && ((mask >> (b % 32)) & 1u)) {
+                CHECK(std::isnan(d));
+                for (auto q : out[b].qs) CHECK(static_cast<std::uint8_t>(q) == nan_byte);
+                ++nan_blocks;
+            } else if (finite_stays && std::isfinite(kvcache::scalar::f16_to_f32(tile[b].d))) {
+                CHECK(std::isfinite(d));
+            }
+        }
+        CHECK(nan_blocks > 0);
+    }
+}
+
 }  // namespace
 
 TEST_CASE("q8_0 K-shift kernel: the uniform path writes the generic path's bytes (masks, partial rotary, scales)") {
@@ -151,36 +191,7 @@ TEST_CASE("q8_0 K-shift kernel: the uniform path writes the generic path's bytes
 }
 
 TEST_CASE("q8_0 K-shift kernel: non-finite stored scales become from_float's NaN block, other cells unaffected") {
-    std::mt19937 rng(31);
-    std::vector<float> cs, sn;
-    qks_angles(128, 5.0, cs, sn);
-    auto tile = qks_tile(rng);
-    const std::uint16_t bad[] = {0x7e00u, 0x7c00u, 0xfc00u, 0x7c01u, 0xfe00u};
-    for (std::size_t k = 0; k < 24; ++k) {  // moving and still cells, several unit rows
-        const std::size_t b = (k * 37) % tile.size();
-        const std::uint16_t bits = bad[k % 5];
-        std::memcpy(&tile[b].d, &bits, sizeof bits);
-    }
-    for (const kvcache::tile_mask mask : {kvcache::tile_mask{0xffffffffu}, kvcache::tile_mask{0x55555555u}}) {
-        qks_check<kvcache::q8_0>(tile, 128, mask, cs, sn);
-        kk::tile_rotation uni;
-        uni.mask = mask;
-        uni.uniform = true;
-        auto out = tile;
-        kk::rotate_tile_converted<kvcache::q8_0>(out.data(), 128, uni, cs.data(), sn.data());
-        std::size_t nan_blocks = 0;
-        for (std::size_t b = 0; b < out.size(); ++b) {
-            const float d = kvcache::scalar::f16_to_f32(out[b].d);
-            if (!std::isfinite(kvcache::scalar::f16_to_f32(tile[b].d)) && ((mask >> (b % 32)) & 1u)) {
-                CHECK(std::isnan(d));
-                for (auto q : out[b].qs) CHECK(q == 0);
-                ++nan_blocks;
-            } else if (std::isfinite(kvcache::scalar::f16_to_f32(tile[b].d))) {
-                CHECK(std::isfinite(d));
-            }
-        }
-        CHECK(nan_blocks > 0);
-    }
+    qks_nonfinite<kvcache::q8_0>(31, qks_tile, 0x00, true, [](const auto&...) {});
 }
 
 TEST_CASE("q8_0 K-shift kernel: exact rounding ties go away from zero; overflowing scales") {
@@ -354,26 +365,6 @@ TEST_CASE("q4_0 K-shift kernel: ties of magnitude, zero and -0 scales, quarter t
 }
 
 TEST_CASE("q4_0 K-shift kernel: non-finite stored scales become from_float's NaN block, other cells unaffected") {
-    std::mt19937 rng(41);
-    std::vector<float> cs, sn;
-    qks_angles(128, 5.0, cs, sn);
-    auto tile = q4_tile(rng);
-    const std::uint16_t bad[] = {0x7e00u, 0x7c00u, 0xfc00u, 0x7c01u, 0xfe00u};
-    for (std::size_t k = 0; k < 24; ++k) {
-        const std::size_t b = (k * 37) % tile.size();
-        const std::uint16_t bits = bad[k % 5];
-        std::memcpy(&tile[b].d, &bits, sizeof bits);
-    }
-    for (const kvcache::tile_mask mask : {kvcache::tile_mask{0xffffffffu}, kvcache::tile_mask{0x55555555u}}) {
-        const auto out = qks_check<kvcache::q4_0>(tile, 128, mask, cs, sn);
-        q4_double_check(tile, out, 128, mask, cs, sn);
-        std::size_t nan_blocks = 0;
-        for (std::size_t b = 0; b < out.size(); ++b)
-            if (!std::isfinite(kvcache::scalar::f16_to_f32(tile[b].d)) && ((mask >> (b % 32)) & 1u)) {
-                CHECK(std::isnan(kvcache::scalar::f16_to_f32(out[b].d)));
-                for (auto q : out[b].qs) CHECK(q == 0x88);
-                ++nan_blocks;
-            }
-        CHECK(nan_blocks > 0);
-    }
+    // (finite scales may overflow: q4_tile holds huge scales)
+    qks_nonfinite<kvcache::q4_0>(41, q4_tile, 0x88, false, q4_double_check);
 }

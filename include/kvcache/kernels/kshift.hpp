@@ -463,6 +463,62 @@ inline void scales_16(const float* sm, half* hd, float* id) noexcept {
         _mm256_store_ps(id + 8 * k, _mm256_andnot_ps(_mm256_cmp_ps(d, zero, _CMP_EQ_OQ), _mm256_div_ps(one, d)));
     }
 }
+
+/// Pass (1) of rotate_tile_q4_0_uniform for the moving blocks units[cells[j]], j < ng:
+/// values (code - 8) * d rotated with the unit row's cos / sin c, s (rotate_rows's
+/// products and fused terms) into y[j] ([even dims (16), odd dims (16)]), lane-wise
+/// max(y, 0) into mp[j] and max(-y, 0) into mn[j]. Returns the blocks (bit j) whose
+/// stored scale is not finite.
+inline std::uint32_t rotate_blocks(const block_q4_0* units, const std::uint8_t* cells, std::uint32_t ng,
+                                   const vf (&c)[vpb], const vf (&s)[vpb], float (*y)[32], float (*mp)[vl],
+                                   float (*mn)[vl]) noexcept {
+#if defined(__AVX512F__)
+    const __m512i low4 = _mm512_set1_epi32(0xf), eight = _mm512_set1_epi32(8);
+    const __m512i nib = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);  // pairs 8-15: high nibbles
+    const __m512 zero = _mm512_setzero_ps();
+#else
+    const __m256i low4 = _mm256_set1_epi32(0xf), eight = _mm256_set1_epi32(8);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+#endif
+    std::uint32_t bad = 0;
+    for (std::uint32_t j = 0; j < ng; ++j) {
+        const block_q4_0& blk = units[cells[j]];
+        const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
+        const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
+#if defined(__AVX512F__)
+        const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
+        const __m512i w = _mm512_srlv_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastsi128_si256(words)), nib);
+        const __m512 x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, low4), eight)), d);
+        const __m512 x1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(w, 8), low4), eight)), d);
+        const __m512 y0 = _mm512_fmsub_ps(x0, c[0], _mm512_mul_ps(x1, s[0]));
+        const __m512 y1 = _mm512_fmadd_ps(x0, s[0], _mm512_mul_ps(x1, c[0]));
+        _mm512_store_ps(y[j], y0);
+        _mm512_store_ps(y[j] + 16, y1);
+        _mm512_store_ps(mp[j], _mm512_max_ps(_mm512_max_ps(y0, y1), zero));
+        _mm512_store_ps(mn[j], _mm512_max_ps(_mm512_max_ps(_mm512_sub_ps(zero, y0), _mm512_sub_ps(zero, y1)), zero));
+#else
+        const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(raw)));
+        const __m256i w8 = _mm256_cvtepu16_epi32(words);
+        __m256 px = _mm256_setzero_ps(), nx = _mm256_setzero_ps();
+        for (std::uint32_t h = 0; h < detail_q4::vpb; ++h) {  // pairs 8h .. 8h + 7
+            const __m256i w = _mm256_srli_epi32(w8, static_cast<int>(4 * h));
+            const __m256 x0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, low4), eight)), d);
+            const __m256 x1 = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(w, 8), low4), eight)), d);
+            const __m256 y0 = _mm256_fmsub_ps(x0, c[h], _mm256_mul_ps(x1, s[h]));
+            const __m256 y1 = _mm256_fmadd_ps(x0, s[h], _mm256_mul_ps(x1, c[h]));
+            _mm256_store_ps(y[j] + 8 * h, y0);
+            _mm256_store_ps(y[j] + 16 + 8 * h, y1);
+            px = _mm256_max_ps(px, _mm256_max_ps(y0, y1));
+            nx = _mm256_max_ps(nx, _mm256_max_ps(_mm256_xor_ps(sign, y0), _mm256_xor_ps(sign, y1)));
+        }
+        _mm256_store_ps(mp[j], px);
+        _mm256_store_ps(mn[j], nx);
+#endif
+    }
+    return bad;
+}
 }  // namespace detail_q4
 
 /// q4_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA + F16C; with
@@ -503,56 +559,17 @@ inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile
         for (auto& v : mn[j]) v = 0.0f;
     }
 #if defined(__AVX512F__)
-    const __m512i low4 = _mm512_set1_epi32(0xf), eight = _mm512_set1_epi32(8);
     const __m512i nib = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);  // pairs 8-15: high nibbles
     const __m512 half8 = _mm512_set1_ps(8.5f), zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.0f);
 #else
-    const __m256i low4 = _mm256_set1_epi32(0xf), eight = _mm256_set1_epi32(8);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 half8 = _mm256_set1_ps(8.5f), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(15.0f);
 #endif
     for (std::uint32_t u = 0; u < n_units; ++u) {
+        block_q4_0* units = tile + std::size_t{u} * k_tile;
         detail_q4::vf c[detail_q4::vpb], s[detail_q4::vpb];
         detail_q8::unit_angles(u, n_pairs, cos_tab, sin_tab, c, s);
-        block_q4_0* units = tile + std::size_t{u} * k_tile;
-        std::uint32_t bad = 0;  // blocks whose stored scale is not finite
-        // (1) dequantize, rotate, max |y|
-        for (std::uint32_t j = 0; j < ng; ++j) {
-            const block_q4_0& blk = units[cells[j]];
-            const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
-            const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
-#if defined(__AVX512F__)
-            const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
-            const __m512i w = _mm512_srlv_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastsi128_si256(words)), nib);
-            const __m512 x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, low4), eight)), d);
-            const __m512 x1 = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(w, 8), low4), eight)), d);
-            const __m512 y0 = _mm512_fmsub_ps(x0, c[0], _mm512_mul_ps(x1, s[0]));
-            const __m512 y1 = _mm512_fmadd_ps(x0, s[0], _mm512_mul_ps(x1, c[0]));
-            _mm512_store_ps(y[j], y0);
-            _mm512_store_ps(y[j] + 16, y1);
-            _mm512_store_ps(mp[j], _mm512_max_ps(_mm512_max_ps(y0, y1), zero));
-            _mm512_store_ps(mn[j], _mm512_max_ps(_mm512_max_ps(_mm512_sub_ps(zero, y0), _mm512_sub_ps(zero, y1)), zero));
-#else
-            const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(raw)));
-            const __m256i w8 = _mm256_cvtepu16_epi32(words);
-            __m256 px = _mm256_setzero_ps(), nx = _mm256_setzero_ps();
-            for (std::uint32_t h = 0; h < detail_q4::vpb; ++h) {  // pairs 8h .. 8h + 7
-                const __m256i w = _mm256_srli_epi32(w8, static_cast<int>(4 * h));
-                const __m256 x0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, low4), eight)), d);
-                const __m256 x1 = _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(w, 8), low4), eight)), d);
-                const __m256 y0 = _mm256_fmsub_ps(x0, c[h], _mm256_mul_ps(x1, s[h]));
-                const __m256 y1 = _mm256_fmadd_ps(x0, s[h], _mm256_mul_ps(x1, c[h]));
-                _mm256_store_ps(y[j] + 8 * h, y0);
-                _mm256_store_ps(y[j] + 16 + 8 * h, y1);
-                px = _mm256_max_ps(px, _mm256_max_ps(y0, y1));
-                nx = _mm256_max_ps(nx, _mm256_max_ps(_mm256_xor_ps(sign, y0), _mm256_xor_ps(sign, y1)));
-            }
-            _mm256_store_ps(mp[j], px);
-            _mm256_store_ps(mn[j], nx);
-#endif
-        }
+        // (1) dequantize, rotate, max y and max -y; bad: blocks whose stored scale is not finite
+        std::uint32_t bad = detail_q4::rotate_blocks(units, cells, ng, c, s, y, mp, mn);
         // (2) block maxima, their signs, scales
         for (std::uint32_t h = 0; h < ng; h += 16) {
             detail_q8::lane_max_16(mp + h, pmax + h);
