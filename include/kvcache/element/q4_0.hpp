@@ -2,7 +2,7 @@
 // scale, 18 bytes per 32 values = 4.5 bits per value).
 #pragma once
 
-#include <cmath>        // std::fabs, std::isfinite
+#include <cmath>        // std::fabs, std::floor, std::fma, std::isfinite
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
 #include <limits>       // infinity
@@ -27,7 +27,8 @@ static_assert(sizeof(block_q4_0) == 18, "block_q4_0 is llama.cpp's 18-byte block
 /// Stores K/V as llama.cpp's q4_0 blocks: 32 values of one cell (32 consecutive
 /// dimensions of one head; format/kv_view.hpp, "Block elements") share the scale
 /// d = m / -8 (binary16), m the value of largest magnitude with its sign, and each value
-/// is stored as min(15, floor(x / d + 8.5)) (as llama.cpp publishes): m itself maps to
+/// is stored as min(15, floor(x * (1 / d) + 8.5)) (as llama.cpp publishes; the product and
+/// the sum rounded once, std::fma, in every build): m itself maps to
 /// code 0 exactly, the other side of zero reaches 7 * |d|. Error per value: at most
 /// |d| / 2 = max|x| / 16 of its block (plus binary16 rounding of d), except values of
 /// the opposite sign beyond 7.5 |d|, clamped to 7 |d|.
@@ -70,7 +71,9 @@ struct q4_0 {
             dst[b].d = hd;
             std::uint8_t code[32];
             for (std::uint32_t i = 0; i < block_size; ++i) {
-                float q = std::floor(src[i] * id + 8.5f);
+                // one rounding (std::fma), whatever the compiler's contraction settings: the
+                // K-shift kernel (kernels/kshift.hpp) computes the same fused term in SIMD
+                float q = std::floor(std::fma(src[i], id, 8.5f));
                 q = q > 15.0f ? 15.0f : (q < 0.0f ? 0.0f : q);  // (< 0 only through d's rounding)
                 code[i] = finite ? static_cast<std::uint8_t>(q) : std::uint8_t{8};
             }

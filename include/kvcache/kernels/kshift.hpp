@@ -29,6 +29,7 @@
 
 #include "../concepts.hpp"
 #include "../config.hpp"
+#include "../element/q4_0.hpp"
 #include "../element/q8_0.hpp"
 #include "../format/kv_view.hpp"
 #include "../simd/tile_io.hpp"
@@ -150,6 +151,15 @@ inline constexpr std::uint32_t vl = sizeof(vf) / sizeof(float), vpb = 16 / vl;
 inline void store_nonfinite(block_q8_0& blk) noexcept {
     blk.d = detail::block_scale(std::numeric_limits<float>::infinity(), 127.0f);
     for (auto& q : blk.qs) q = 0;
+}
+
+/// The bits of block j's stored scale; sets bit j of bad when the scale is not finite.
+template <class Block>
+inline std::uint16_t scale_bits(const Block& blk, std::uint32_t j, std::uint32_t& bad) noexcept {
+    std::uint16_t raw;
+    std::memcpy(&raw, &blk.d, sizeof raw);
+    bad |= ((raw & 0x7c00u) == 0x7c00u ? 1u : 0u) << j;
+    return raw;
 }
 
 /// The moving cells of a mask, in increasing order; returns how many.
@@ -293,9 +303,7 @@ inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile
             // (1) dequantize, rotate (the products and fused terms of rotate_rows), max |y|
             for (std::uint32_t j = 0; j < ng; ++j) {
                 const block_q8_0& blk = units[cells[j]];
-                std::uint16_t raw;
-                std::memcpy(&raw, &blk.d, sizeof raw);
-                bad |= ((raw & 0x7c00u) == 0x7c00u ? 1u : 0u) << j;
+                const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
 #if defined(__AVX512F__)
                 const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
                 const __m512i w = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs)));
@@ -377,6 +385,233 @@ inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile
         }
     }
 }
+
+namespace detail_q4 {
+using detail_q8::vf;
+using detail_q8::vl;
+using detail_q8::vpb;
+
+/// What q4_0::from_float stores for a block holding a NaN or an infinity.
+inline void store_nonfinite(block_q4_0& blk) noexcept {
+    blk.d = detail::block_scale(std::numeric_limits<float>::infinity(), 8.0f);
+    for (auto& q : blk.qs) q = 0x88;
+}
+
+/// The value of largest magnitude of a block as q4_0::from_float picks it (the first in
+/// dimension order among equal magnitudes), as a signed magnitude: -amax when that value
+/// is positive (its scale d = m / -8 is negative), +amax otherwise (+0 for a zero block).
+/// y: the rotated block, [even dims (16), odd dims (16)]; amax its largest |value|.
+inline float signed_max(const float* y, float amax) noexcept {
+    std::uint32_t p0, p1, n0, n1;  // lanes (pairs) equal to +amax / -amax, even and odd dims
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_set1_ps(amax), na = _mm512_set1_ps(-amax);
+    const __m512 y0 = _mm512_load_ps(y), y1 = _mm512_load_ps(y + 16);
+    p0 = _mm512_cmp_ps_mask(y0, a, _CMP_EQ_OQ);
+    p1 = _mm512_cmp_ps_mask(y1, a, _CMP_EQ_OQ);
+    n0 = _mm512_cmp_ps_mask(y0, na, _CMP_EQ_OQ);
+    n1 = _mm512_cmp_ps_mask(y1, na, _CMP_EQ_OQ);
+#else
+    const __m256 a = _mm256_set1_ps(amax), na = _mm256_set1_ps(-amax);
+    auto bits = [&](const float* v, __m256 t) {
+        return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(v), t, _CMP_EQ_OQ)) |
+                                          (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(v + 8), t, _CMP_EQ_OQ)) << 8));
+    };
+    p0 = bits(y, a);
+    p1 = bits(y + 16, a);
+    n0 = bits(y, na);
+    n1 = bits(y + 16, na);
+#endif
+    // dimension 2i is even lane i, 2i + 1 odd lane i; no match: 64 or 65, after every dimension
+    auto first = [](std::uint32_t even, std::uint32_t odd) {
+        const auto e = 2 * std::countr_zero(even), o = 2 * std::countr_zero(odd) + 1;
+        return e < o ? e : o;
+    };
+    // amax = 0: every lane matches both (+0 == -0), the same first dimension: not positive
+    return first(p0, p1) < first(n0, n1) ? -amax : amax;
+}
+
+/// Signed maxima of 16 blocks (as signed_max) from their largest value p[j] and largest
+/// negated value n[j] (each at least +-0): -p where p > n (m positive), n where n > p,
+/// +0 where both are 0; returns the blocks where p = n > 0 (a value and its negation
+/// share the largest magnitude: the first in dimension order decides, signed_max).
+inline std::uint32_t signed_max_16(const float* p, const float* n, float* sm) noexcept {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    std::uint32_t ties = 0;
+    for (int k = 0; k < 2; ++k) {
+        const __m256 a = _mm256_load_ps(p + 8 * k), b = _mm256_load_ps(n + 8 * k);
+        const __m256 v = _mm256_blendv_ps(b, _mm256_xor_ps(a, sign), _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+        const __m256 eq = _mm256_cmp_ps(a, b, _CMP_EQ_OQ);
+        _mm256_store_ps(sm + 8 * k, _mm256_andnot_ps(eq, v));  // (p = n: +0, a tie fixed by the caller)
+        ties |= static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_and_ps(eq, _mm256_cmp_ps(a, zero, _CMP_GT_OQ))))
+                << (8 * k);
+    }
+    return ties;
+}
+
+/// Scales of 16 blocks from their signed maxima (sm[16], as signed_max): hd[j] = binary16
+/// of sm[j] / 8 (round to nearest even; q4_0::from_float rounds |m| / 8 and sets the sign
+/// bit when m > 0, the same bits, -0 and -inf included) and id[j] = 1 / d as from_float
+/// computes it (0 where d is +-0; 1 / +-inf is +-0 already, and x * +-0 + 8.5 gives code 8
+/// as from_float's 0).
+inline void scales_16(const float* sm, half* hd, float* id) noexcept {
+    constexpr int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256 q = _mm256_set1_ps(8.0f), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int k = 0; k < 2; ++k) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_div_ps(_mm256_load_ps(sm + 8 * k), q), rn);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hd + 8 * k), h);
+        const __m256 d = _mm256_cvtph_ps(h);
+        _mm256_store_ps(id + 8 * k, _mm256_andnot_ps(_mm256_cmp_ps(d, zero, _CMP_EQ_OQ), _mm256_div_ps(one, d)));
+    }
+}
+
+/// Pass (1) of rotate_tile_q4_0_uniform for the moving blocks units[cells[j]], j < ng:
+/// values (code - 8) * d rotated with the unit row's cos / sin c, s (rotate_rows's
+/// products and fused terms) into y[j] ([even dims (16), odd dims (16)]), lane-wise
+/// max(y, 0) into mp[j] and max(-y, 0) into mn[j]. Returns the blocks (bit j) whose
+/// stored scale is not finite.
+inline std::uint32_t rotate_blocks(const block_q4_0* units, const std::uint8_t* cells, std::uint32_t ng,
+                                   const vf (&c)[vpb], const vf (&s)[vpb], float (*y)[32], float (*mp)[vl],
+                                   float (*mn)[vl]) noexcept {
+#if defined(__AVX512F__)
+    const __m512i low4 = _mm512_set1_epi32(0xf), eight = _mm512_set1_epi32(8);
+    const __m512i nib = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);  // pairs 8-15: high nibbles
+    const __m512 zero = _mm512_setzero_ps();
+#else
+    const __m256i low4 = _mm256_set1_epi32(0xf), eight = _mm256_set1_epi32(8);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+#endif
+    std::uint32_t bad = 0;
+    for (std::uint32_t j = 0; j < ng; ++j) {
+        const block_q4_0& blk = units[cells[j]];
+        const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
+        const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
+#if defined(__AVX512F__)
+        const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
+        const __m512i w = _mm512_srlv_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastsi128_si256(words)), nib);
+        const __m512 x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, low4), eight)), d);
+        const __m512 x1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(w, 8), low4), eight)), d);
+        const __m512 y0 = _mm512_fmsub_ps(x0, c[0], _mm512_mul_ps(x1, s[0]));
+        const __m512 y1 = _mm512_fmadd_ps(x0, s[0], _mm512_mul_ps(x1, c[0]));
+        _mm512_store_ps(y[j], y0);
+        _mm512_store_ps(y[j] + 16, y1);
+        _mm512_store_ps(mp[j], _mm512_max_ps(_mm512_max_ps(y0, y1), zero));
+        _mm512_store_ps(mn[j], _mm512_max_ps(_mm512_max_ps(_mm512_sub_ps(zero, y0), _mm512_sub_ps(zero, y1)), zero));
+#else
+        const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(raw)));
+        const __m256i w8 = _mm256_cvtepu16_epi32(words);
+        __m256 px = _mm256_setzero_ps(), nx = _mm256_setzero_ps();
+        for (std::uint32_t h = 0; h < detail_q4::vpb; ++h) {  // pairs 8h .. 8h + 7
+            const __m256i w = _mm256_srli_epi32(w8, static_cast<int>(4 * h));
+            const __m256 x0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, low4), eight)), d);
+            const __m256 x1 = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(w, 8), low4), eight)), d);
+            const __m256 y0 = _mm256_fmsub_ps(x0, c[h], _mm256_mul_ps(x1, s[h]));
+            const __m256 y1 = _mm256_fmadd_ps(x0, s[h], _mm256_mul_ps(x1, c[h]));
+            _mm256_store_ps(y[j] + 8 * h, y0);
+            _mm256_store_ps(y[j] + 16 + 8 * h, y1);
+            px = _mm256_max_ps(px, _mm256_max_ps(y0, y1));
+            nx = _mm256_max_ps(nx, _mm256_max_ps(_mm256_xor_ps(sign, y0), _mm256_xor_ps(sign, y1)));
+        }
+        _mm256_store_ps(mp[j], px);
+        _mm256_store_ps(mn[j], nx);
+#endif
+    }
+    return bad;
+}
+}  // namespace detail_q4
+
+/// q4_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA + F16C; with
+/// AVX-512F, 16-lane vectors): the passes of rotate_tile_q8_0_uniform, with q4_0's
+/// packing and rules. Byte 2t of a block holds dims 2t (low nibble) and 2t + 16 (high),
+/// byte 2t + 1 dims 2t + 1 and 2t + 17: the 8 words of a block, zero-extended and
+/// shifted right by 4 for pairs 8-15, give the even dims (bits 0-3) and the odd dims
+/// (bits 8-11) of the 16 pairs in pair order, so the cos / sin are loaded as for q8_0.
+/// (1) values (code - 8) * d, rotated with rotate_rows's products and fused terms, kept
+/// with the lane-wise max of y and of -y; (2) per block the largest value p and largest
+/// negated value n (two transposing trees): m = p if p > n, -n if n > p (the scale
+/// d = m / -8), and where p = n > 0 the first of the two in dimension order (from_float's
+/// tie rule, signed_max, run for those blocks only); scales rounded to binary16 and
+/// their inverses; (3) codes
+/// floor(fma(y, 1 / d, 8.5)) clamped to [0, 15] (clamping before the truncation gives
+/// the same codes), nibbles packed back. So the bytes are q4_0::from_float's of the
+/// generic path's rotated values (tests/kernels/test_kshift_quant.cpp). A block whose
+/// stored scale is not finite becomes what from_float makes of NaN values (NaN scale,
+/// codes 8).
+/// Why two trees: finding the first value of largest magnitude of every block (four
+/// compares and bit scans each) cost 9 ns per block, 1,100 of 1,580 ns per tile (Zen 5,
+/// L1, head dim 128); the trees and the rare ties: 690 ns (q8_0: 400 ns).
+inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
+                                     const float* sin_tab) noexcept {
+    const std::uint32_t n_units = (n_rot + 31) / 32, n_pairs = n_rot / 2;
+    std::uint8_t cells[k_tile];
+    const std::uint32_t ng = detail_q8::moving_cells(mask, cells);
+    alignas(64) float y[k_tile][32];  // [block][even dims (16), odd dims (16)]
+    alignas(64) float mp[k_tile][detail_q4::vl];  // lane-wise max y (at least 0)
+    alignas(64) float mn[k_tile][detail_q4::vl];  // lane-wise max -y (at least 0)
+    alignas(64) float pmax[k_tile];
+    alignas(64) float nmax[k_tile];
+    alignas(64) float sm[k_tile];
+    alignas(64) float id[k_tile];
+    half hd[k_tile];
+    for (std::uint32_t j = ng; j < (ng + 15) / 16 * 16; ++j) {  // (the tree reads whole groups of 16)
+        for (auto& v : mp[j]) v = 0.0f;
+        for (auto& v : mn[j]) v = 0.0f;
+    }
+#if defined(__AVX512F__)
+    const __m512i nib = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);  // pairs 8-15: high nibbles
+    const __m512 half8 = _mm512_set1_ps(8.5f), zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.0f);
+#else
+    const __m256 half8 = _mm256_set1_ps(8.5f), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(15.0f);
+#endif
+    for (std::uint32_t u = 0; u < n_units; ++u) {
+        block_q4_0* units = tile + std::size_t{u} * k_tile;
+        detail_q4::vf c[detail_q4::vpb], s[detail_q4::vpb];
+        detail_q8::unit_angles(u, n_pairs, cos_tab, sin_tab, c, s);
+        // (1) dequantize, rotate, max y and max -y; bad: blocks whose stored scale is not finite
+        std::uint32_t bad = detail_q4::rotate_blocks(units, cells, ng, c, s, y, mp, mn);
+        // (2) block maxima, their signs, scales
+        for (std::uint32_t h = 0; h < ng; h += 16) {
+            detail_q8::lane_max_16(mp + h, pmax + h);
+            detail_q8::lane_max_16(mn + h, nmax + h);
+            for (std::uint32_t ties = detail_q4::signed_max_16(pmax + h, nmax + h, sm + h); ties != 0; ties &= ties - 1) {
+                const std::uint32_t j = h + static_cast<std::uint32_t>(std::countr_zero(ties));
+                sm[j] = detail_q4::signed_max(y[j], pmax[j]);
+            }
+            detail_q4::scales_16(sm + h, hd + h, id + h);
+        }
+        // (3) codes, nibbles packed back
+        for (std::uint32_t j = 0; j < ng; ++j) {
+            block_q4_0& blk = units[cells[j]];
+#if defined(__AVX512F__)
+            const __m512 r = _mm512_set1_ps(id[j]);
+            const __m512 v0 = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(_mm512_load_ps(y[j]), r, half8), zero), top);
+            const __m512 v1 = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(_mm512_load_ps(y[j] + 16), r, half8), zero), top);
+            // lane p: even code | odd code << 8; pairs 8-15 move to the high nibbles of lanes 0-7
+            const __m512i w = _mm512_sllv_epi32(
+                _mm512_or_si512(_mm512_cvttps_epi32(v0), _mm512_slli_epi32(_mm512_cvttps_epi32(v1), 8)), nib);
+            const __m512i t = _mm512_or_si512(w, _mm512_shuffle_i64x2(w, w, 0x4E));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(blk.qs),
+                             _mm256_castsi256_si128(_mm512_maskz_cvtepi32_epi16(0xffff, t)));
+#else
+            const __m256 r = _mm256_set1_ps(id[j]);
+            __m256i w[2];
+            for (std::uint32_t h = 0; h < 2; ++h) {
+                const __m256 v0 = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(_mm256_load_ps(y[j] + 8 * h), r, half8), zero), top);
+                const __m256 v1 =
+                    _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(_mm256_load_ps(y[j] + 16 + 8 * h), r, half8), zero), top);
+                w[h] = _mm256_or_si256(_mm256_cvttps_epi32(v0), _mm256_slli_epi32(_mm256_cvttps_epi32(v1), 8));
+            }
+            const __m256i t = _mm256_or_si256(w[0], _mm256_slli_epi32(w[1], 4));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(blk.qs),
+                             _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+#endif
+            blk.d = hd[j];
+        }
+        for (; bad != 0; bad &= bad - 1) [[unlikely]]
+            detail_q4::store_nonfinite(units[cells[static_cast<std::uint32_t>(std::countr_zero(bad))]]);
+    }
+}
 #endif
 
 /// K-shift of one tile for an element without SIMD storage (the generic path): each row
@@ -397,6 +632,11 @@ inline void rotate_tile_converted(typename Element::storage_type* tile, std::uin
         if constexpr (std::is_same_v<T, block_q8_0>)
             if (rot.uniform) {
                 rotate_tile_q8_0_uniform(tile, n_rot, rot.mask, cos_tab, sin_tab);
+                return;
+            }
+        if constexpr (std::is_same_v<T, block_q4_0>)
+            if (rot.uniform) {
+                rotate_tile_q4_0_uniform(tile, n_rot, rot.mask, cos_tab, sin_tab);
                 return;
             }
 #endif
