@@ -19,16 +19,19 @@
 //   signed bytes, q = 256 hi + lo, the K codes made unsigned (q8_0: + 128; q4_0: the stored
 //   nibbles) and vpdpbusd adds 4 rows x 16 cells per instruction for lo and for hi; per
 //   block sum = 256 hi + lo - offset * sum(q), exact in int32, one lane per cell (no sign
-//   extension of K, no lane pairs to add at the end).
+//   extension of K, no lane pairs to add at the end). Both 16-cell halves of the tile are
+//   in registers per K unit, so each query broadcast feeds two vpdpbusd.
 // - prefetch: the next tile's K lines (and V lines one tile further) are asked for spread
 //   over the score / accumulate loops, one unit's lines per step. q8_0 16K-cell decode,
 //   1 thread, Zen 5 VM (contended), f16 time / q8_0 time in alternating runs: 0.52-0.60
 //   with the burst of all lines at the start of the tile that was here before, 0.72-0.90
 //   spread, 0.48-0.50 with no prefetch at all.
 // - accumulate (p.V, f32): the block scale is folded into the probability (w = p * d_v per
-//   cell, block and slot, exactly 0 for a cell the slot does not see), each V unit is
-//   widened int8 -> int32 -> f32 in registers and accumulated with FMAs. q4_0 codes are
-//   accumulated as 0..15 and 8 * sum(w) is subtracted once per block.
+//   cell, block and slot, exactly 0 for a cell the slot does not see), for all the tile's
+//   units before any FMA (their scale gathers overlap instead of stalling each unit's
+//   FMAs); each V unit is widened int8 -> int32 -> f32 in registers and accumulated with
+//   FMAs. q4_0 codes: AVX-512 looks (code - 8) up in a 16-entry table (one vpermps per 16
+//   values); AVX2 accumulates them as 0..15 and subtracts 8 * sum(w) once per block.
 //
 // Why a 16-bit query and not llama.cpp's 8-bit one (vpdpbusd on int8 q and K): with an
 // int8 query the error of q.K doubles for q8_0 K (the query's rounding, max|q| / 254 per
