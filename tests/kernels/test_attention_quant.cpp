@@ -89,23 +89,23 @@ void qattn_suite(std::uint32_t dk, std::uint32_t dv) {
         p.n_head = shape.n_head_kv * group;
         std::vector<float> q(std::size_t{n_q} * p.n_head * dk);
         for (auto& x : q) x = nd(rng);
-        const std::size_t n_out = std::size_t{n_q} * p.n_head * dv;
-        for (int variant = 0; variant < 2; ++variant) {
-            CAPTURE(variant);
-            p.window = variant == 1 ? 50 : 0;
-            p.softcap = variant == 1 ? 4.0f : 0.0f;
-            const auto want = ref::attention(cache, 0, q, qp, qs, p);
+        auto run = [&](kvcache::ops::kernel_path path, int threads) {
             auto pp = p;
-            pp.path = kvcache::ops::kernel_path::scalar;
-            std::vector<float> scalar(n_out);
-            kvcache::ops::attention(cache, 0, q.data(), qp.data(), qs.data(), n_q, pp, scalar.data(), ws);
-            CHECK(kvtest::nmse(scalar, want) <= 3e-9);
+            pp.path = path;
+            pp.n_threads = threads;
+            std::vector<float> out(std::size_t{n_q} * p.n_head * dv, -1.0f);
+            kvcache::ops::attention(cache, 0, q.data(), qp.data(), qs.data(), n_q, pp, out.data(), ws);
+            return out;
+        };
+        for (const bool windowed : {false, true}) {
+            CAPTURE(windowed);
+            p.softcap = windowed ? 4.0f : 0.0f;
+            p.window = windowed ? 50 : 0;
+            const auto want = ref::attention(cache, 0, q, qp, qs, p);
+            CHECK(kvtest::nmse(run(kvcache::ops::kernel_path::scalar, 1), want) <= 3e-9);
             for (int threads : {1, 3}) {
                 CAPTURE(threads);
-                pp = p;
-                pp.n_threads = threads;
-                std::vector<float> out(n_out, -1.0f);
-                kvcache::ops::attention(cache, 0, q.data(), qp.data(), qs.data(), n_q, pp, out.data(), ws);
+                const auto out = run(kvcache::ops::kernel_path::simd, threads);
                 for (float x : out) REQUIRE(std::isfinite(x));
                 CHECK(kvtest::nmse(out, want) <= 3e-9);
             }
