@@ -19,16 +19,19 @@
 //   signed bytes, q = 256 hi + lo, the K codes made unsigned (q8_0: + 128; q4_0: the stored
 //   nibbles) and vpdpbusd adds 4 rows x 16 cells per instruction for lo and for hi; per
 //   block sum = 256 hi + lo - offset * sum(q), exact in int32, one lane per cell (no sign
-//   extension of K, no lane pairs to add at the end).
+//   extension of K, no lane pairs to add at the end). Both 16-cell halves of the tile are
+//   in registers per K unit, so each query broadcast feeds two vpdpbusd.
 // - prefetch: the next tile's K lines (and V lines one tile further) are asked for spread
 //   over the score / accumulate loops, one unit's lines per step. q8_0 16K-cell decode,
 //   1 thread, Zen 5 VM (contended), f16 time / q8_0 time in alternating runs: 0.52-0.60
 //   with the burst of all lines at the start of the tile that was here before, 0.72-0.90
 //   spread, 0.48-0.50 with no prefetch at all.
 // - accumulate (p.V, f32): the block scale is folded into the probability (w = p * d_v per
-//   cell, block and slot, exactly 0 for a cell the slot does not see), each V unit is
-//   widened int8 -> int32 -> f32 in registers and accumulated with FMAs. q4_0 codes are
-//   accumulated as 0..15 and 8 * sum(w) is subtracted once per block.
+//   cell, block and slot, exactly 0 for a cell the slot does not see), for all the tile's
+//   units before any FMA (their scale gathers overlap instead of stalling each unit's
+//   FMAs); each V unit is widened int8 -> int32 -> f32 in registers and accumulated with
+//   FMAs. q4_0 codes: AVX-512 looks (code - 8) up in a 16-entry table (one vpermps per 16
+//   values); AVX2 accumulates them as 0..15 and subtracts 8 * sum(w) once per block.
 //
 // Why a 16-bit query and not llama.cpp's 8-bit one (vpdpbusd on int8 q and K): with an
 // int8 query the error of q.K doubles for q8_0 K (the query's rounding, max|q| / 254 per
@@ -231,43 +234,52 @@ struct quant_tiles : converted_tiles<Element> {
         const auto* qsum = reinterpret_cast<const std::int32_t*>(dq + M * nu + M * dk / 2);
         const char* kt = reinterpret_cast<const char*>(kv.k_tile_ptr(h, tile));
         constexpr std::int32_t koff = four_bit ? 8 : 128;
-        constexpr std::size_t G = M < 4 ? M : 4;  // slots per pass: 2 G int32 accumulators
         auto bq = [](const char* p) {
             std::int32_t v;
             std::memcpy(&v, p, sizeof v);
             return _mm512_set1_epi32(v);
         };
-        for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 16) {
-            __m512 f[M];
-            for (std::size_t s = 0; s < M; ++s) f[s] = _mm512_setzero_ps();
-            for (std::uint32_t u = 0; u < nu; ++u) {
-                const std::size_t off = (std::size_t{u} * k_tile + c0) * unit_bytes;
-                const char* base = kt + off;
-                if (pfk != nullptr)
-                    for (std::size_t o = 0; o < 16 * unit_bytes; o += 64) __builtin_prefetch(pfk + off + o, 0, 2);
-                __m512i x[8];
-                k_codes16u(base, x);
-                const __m512 dk16 = scales16(base, static_cast<std::int32_t>(unit_bytes));
-                for (std::size_t s0 = 0; s0 < M; s0 += G) {
-                    __m512i lo[G], hi[G];
-                    for (std::size_t s = 0; s < G; ++s) lo[s] = hi[s] = _mm512_setzero_si512();
-                    for (int g = 0; g < 8; ++g)
-                        for (std::size_t s = 0; s < G; ++s) {
-                            const char* qp = qb + ((s0 + s) * nu + u) * 64 + 4 * g;
-                            lo[s] = _mm512_dpbusd_epi32(lo[s], x[g], bq(qp));
-                            hi[s] = _mm512_dpbusd_epi32(hi[s], x[g], bq(qp + 32));
-                        }
+        // Both 16-cell halves of the tile per K unit: each query broadcast feeds two vpdpbusd
+        // (one per half), half the broadcasts of a pass per half. 16 code vectors, 4 G
+        // accumulators and 2 broadcasts: G = 2 fits the 32 registers.
+        constexpr std::size_t G = M < 2 ? M : 2;
+        __m512 f[M][2];
+        for (std::size_t s = 0; s < M; ++s) f[s][0] = f[s][1] = _mm512_setzero_ps();
+        for (std::uint32_t u = 0; u < nu; ++u) {
+            const std::size_t off = std::size_t{u} * k_tile * unit_bytes;
+            const char* base = kt + off;
+            if (pfk != nullptr)
+                for (std::size_t o = 0; o < k_tile * unit_bytes; o += 64) __builtin_prefetch(pfk + off + o, 0, 2);
+            __m512i x[2][8];
+            k_codes16u(base, x[0]);
+            k_codes16u(base + 16 * unit_bytes, x[1]);
+            const __m512 dk16[2] = {scales16(base, static_cast<std::int32_t>(unit_bytes)),
+                                    scales16(base + 16 * unit_bytes, static_cast<std::int32_t>(unit_bytes))};
+            for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                __m512i lo[G][2], hi[G][2];
+                for (std::size_t s = 0; s < G; ++s) lo[s][0] = lo[s][1] = hi[s][0] = hi[s][1] = _mm512_setzero_si512();
+                for (int g = 0; g < 8; ++g)
                     for (std::size_t s = 0; s < G; ++s) {
-                        const std::size_t su = (s0 + s) * nu + u;
-                        const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[s], 8), lo[s]),
-                                                           _mm512_set1_epi32(koff * qsum[su]));
-                        f[s0 + s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dk16, _mm512_set1_ps(dq[su])),
-                                                    f[s0 + s]);
+                        const char* qp = qb + ((s0 + s) * nu + u) * 64 + 4 * g;
+                        const __m512i ql = bq(qp), qh = bq(qp + 32);
+                        for (int c = 0; c < 2; ++c) {
+                            lo[s][c] = _mm512_dpbusd_epi32(lo[s][c], x[c][g], ql);
+                            hi[s][c] = _mm512_dpbusd_epi32(hi[s][c], x[c][g], qh);
+                        }
+                    }
+                for (std::size_t s = 0; s < G; ++s) {
+                    const std::size_t su = (s0 + s) * nu + u;
+                    const __m512i corr = _mm512_set1_epi32(koff * qsum[su]);
+                    const __m512 d = _mm512_set1_ps(dq[su]);
+                    for (int c = 0; c < 2; ++c) {
+                        const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[s][c], 8), lo[s][c]), corr);
+                        f[s0 + s][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dk16[c], d), f[s0 + s][c]);
                     }
                 }
             }
-            for (std::size_t s = 0; s < M; ++s) _mm512_storeu_ps(out + s * k_tile + c0, f[s]);
         }
+        for (std::size_t s = 0; s < M; ++s)
+            for (int c = 0; c < 2; ++c) _mm512_storeu_ps(out + s * k_tile + 16 * c, f[s][c]);
     }
 #else
     /// q.K of the 32 cells of K tile `tile` of head h for M slots into out[s * 32 + cell].
@@ -333,8 +345,7 @@ struct quant_tiles : converted_tiles<Element> {
 
 #endif  // KVCACHE_QDEC_VNNI
 
-    /// 16 values of a unit's codes (first: values 0..15, else 16..31) as floats (q4_0: the
-    /// codes 0..15, not re-centred).
+    /// The 32 values of a unit's codes as floats: a = values 0..15, b = 16..31 (q4_0: code - 8).
     static void v_values(const char* unit, __m512& a, __m512& b) noexcept {
         const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + codes_at));
         if constexpr (!four_bit) {
@@ -342,9 +353,14 @@ struct quant_tiles : converted_tiles<Element> {
             a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0));
             b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1));
         } else {
-            const __m128i nib = _mm_set1_epi8(0x0F);
-            a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(c0, nib)));
-            b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c0, 4), nib)));
+            // One vpermps per 16 values looks (code - 8) up in a 16-entry table, in place of
+            // a convert and the 8 * sum(w) correction; vpermps reads the low 4 bits of each
+            // index only, so neither nibble needs masking (after the 16-bit shift each byte's
+            // low 4 bits are its own high nibble).
+            const __m512 table = _mm512_setr_ps(-8.0f, -7.0f, -6.0f, -5.0f, -4.0f, -3.0f, -2.0f, -1.0f, 0.0f, 1.0f,
+                                                2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f);
+            a = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), table);
+            b = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(c0, 4)), table);
         }
     }
 #endif  // KVCACHE_QDEC_512
@@ -471,37 +487,69 @@ struct quant_tiles : converted_tiles<Element> {
         const std::uint32_t dv = kv.dim_v, nv = kv.v_units();
         const bool vt = kv.vl == v_layout::transposed;
         const T* vtile = vt ? kv.v + h * kv.v_head_stride + std::size_t{tile} * k_tile : kv.v_tile_ptr(h, tile);
-        float* w = this->v_buf;  // [slot][cell] for the current unit
-        float wsum[M];
-        for (std::uint32_t u = 0; u < nv; ++u) {
-            // Unit (cell j, u) = ub + j * us (in units).
-            const T* ub;
-            std::size_t us;
+        static_assert(M <= 31, "accumulate: the folded weights of M slots must fit v_buf");
+        // Unit (cell j, u) = unit_at(u, cstep) + j * cstep bytes.
+        auto unit_at = [&](std::uint32_t u, std::size_t& cstep) -> const char* {
             if (vt) {
-                ub = vtile + std::size_t{u} * kv.n_cells_pad;
-                us = 1;
-            } else {
-                const std::uint32_t d0 = u * 32 / v_block * v_block;
-                const std::uint32_t bw = dv - d0 < v_block ? dv - d0 : v_block;
-                ub = vtile + (std::size_t{d0} * k_tile + (u * 32 - d0)) / 32;
-                us = bw / 32;
+                cstep = unit_bytes;
+                return reinterpret_cast<const char*>(vtile + std::size_t{u} * kv.n_cells_pad);
             }
-            const char* ubc = reinterpret_cast<const char*>(ub);
-            const std::size_t cstep = us * unit_bytes;  // bytes between cells
+            const std::uint32_t d0 = u * 32 / v_block * v_block;
+            const std::uint32_t bw = dv - d0 < v_block ? dv - d0 : v_block;
+            cstep = bw / 32 * unit_bytes;
+            return reinterpret_cast<const char*>(vtile + (std::size_t{d0} * k_tile + (u * 32 - d0)) / 32);
+        };
+        // Pass 1: the folded weights of every unit, w[(u M + s) 32 + cell] (and, AVX2 q4_0,
+        // their sums wsum[u M + s]) in v_buf (32 dv floats: room for M <= 31). The units'
+        // scale gathers are independent and overlap here; computed in front of each unit's
+        // FMAs they serialized with them.
+        float* const w = this->v_buf;
+        [[maybe_unused]] float* const wsum = w + std::size_t{nv} * M * k_tile;
+        for (std::uint32_t u = 0; u < nv; ++u) {
+            std::size_t cstep;
+            const char* ubc = unit_at(u, cstep);
             const auto stride = static_cast<std::int32_t>(cstep);
-            float* ap = acc + std::size_t{u} * 32;
-            // The V lines of tile pf (pfv) at the units read here, spread over the loop.
-            const char* pfu = pfv != nullptr ? pfv + (ubc - reinterpret_cast<const char*>(vtile)) : nullptr;
+            float* wu = w + std::size_t{u} * M * k_tile;
 #if defined(KVCACHE_QDEC_512)
             const __m512 d0v = scales16(ubc, stride), d1v = scales16(ubc + 16 * cstep, stride);
             for (std::size_t s = 0; s < M; ++s) {
                 const __m512 w0 = _mm512_maskz_mul_ps(static_cast<__mmask16>(mask[s]), _mm512_loadu_ps(p_buf + s * k_tile), d0v);
                 const __m512 w1 = _mm512_maskz_mul_ps(static_cast<__mmask16>(mask[s] >> 16),
                                                       _mm512_loadu_ps(p_buf + s * k_tile + 16), d1v);
-                _mm512_storeu_ps(w + s * k_tile, w0);
-                _mm512_storeu_ps(w + s * k_tile + 16, w1);
-                if constexpr (four_bit) wsum[s] = _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+                _mm512_storeu_ps(wu + s * k_tile, w0);
+                _mm512_storeu_ps(wu + s * k_tile + 16, w1);
             }
+#else
+            __m256 dv8[4];
+            for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, stride);
+            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            for (std::size_t s = 0; s < M; ++s) {
+                __m256 sum = _mm256_setzero_ps();
+                for (int k = 0; k < 4; ++k) {
+                    const auto bits = static_cast<int>((mask[s] >> (8 * k)) & 0xFFu);
+                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lane), lane);
+                    const __m256 wk = _mm256_and_ps(_mm256_castsi256_ps(on),
+                                                    _mm256_mul_ps(_mm256_loadu_ps(p_buf + s * k_tile + 8 * k), dv8[k]));
+                    _mm256_storeu_ps(wu + s * k_tile + 8 * k, wk);
+                    sum = _mm256_add_ps(sum, wk);
+                }
+                if constexpr (four_bit) {
+                    alignas(32) float t[8];
+                    _mm256_store_ps(t, sum);
+                    wsum[u * M + s] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+                }
+            }
+#endif
+        }
+        // Pass 2: the FMAs, unit by unit.
+        for (std::uint32_t u = 0; u < nv; ++u) {
+            std::size_t cstep;
+            const char* ubc = unit_at(u, cstep);
+            const float* wu = w + std::size_t{u} * M * k_tile;
+            float* ap = acc + std::size_t{u} * 32;
+            // The V lines of tile pf (pfv) at the units read here, spread over the loop.
+            const char* pfu = pfv != nullptr ? pfv + (ubc - reinterpret_cast<const char*>(vtile)) : nullptr;
+#if defined(KVCACHE_QDEC_512)
             constexpr std::size_t G = M < 8 ? M : 8;  // slots per pass: 2 G accumulators
             for (std::size_t s0 = 0; s0 < M; s0 += G) {
                 __m512 a[G][2];
@@ -515,7 +563,7 @@ struct quant_tiles : converted_tiles<Element> {
                     __m512 x0, x1;
                     v_values(ubc + j * cstep, x0, x1);
                     for (std::size_t s = 0; s < G; ++s) {
-                        const __m512 wj = _mm512_set1_ps(w[(s0 + s) * k_tile + j]);
+                        const __m512 wj = _mm512_set1_ps(wu[(s0 + s) * k_tile + j]);
                         a[s][0] = _mm512_fmadd_ps(wj, x0, a[s][0]);
                         a[s][1] = _mm512_fmadd_ps(wj, x1, a[s][1]);
                     }
@@ -526,32 +574,9 @@ struct quant_tiles : converted_tiles<Element> {
                     for (tile_mask bits = any; bits != 0; bits &= bits - 1)
                         cell(static_cast<std::uint32_t>(std::countr_zero(bits)));
                 for (std::size_t s = 0; s < G; ++s)
-                    for (int v = 0; v < 2; ++v) {
-                        if constexpr (four_bit)
-                            a[s][v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), _mm512_set1_ps(wsum[s0 + s]), a[s][v]);
-                        _mm512_storeu_ps(ap + (s0 + s) * dv + v * 16, a[s][v]);
-                    }
+                    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(ap + (s0 + s) * dv + v * 16, a[s][v]);
             }
 #else
-            __m256 dv8[4];
-            for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, stride);
-            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-            for (std::size_t s = 0; s < M; ++s) {
-                __m256 sum = _mm256_setzero_ps();
-                for (int k = 0; k < 4; ++k) {
-                    const auto bits = static_cast<int>((mask[s] >> (8 * k)) & 0xFFu);
-                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lane), lane);
-                    const __m256 wk = _mm256_and_ps(_mm256_castsi256_ps(on),
-                                                    _mm256_mul_ps(_mm256_loadu_ps(p_buf + s * k_tile + 8 * k), dv8[k]));
-                    _mm256_storeu_ps(w + s * k_tile + 8 * k, wk);
-                    sum = _mm256_add_ps(sum, wk);
-                }
-                if constexpr (four_bit) {
-                    alignas(32) float t[8];
-                    _mm256_store_ps(t, sum);
-                    wsum[s] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-                }
-            }
             // Passes of 16 dimensions and up to 4 slots: 8 accumulators (16 registers).
             constexpr std::size_t G = M < 4 ? M : 4;
             for (int half = 0; half < 2; ++half)
@@ -578,7 +603,7 @@ struct quant_tiles : converted_tiles<Element> {
                             x1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)));
                         }
                         for (std::size_t s = 0; s < G; ++s) {
-                            const __m256 wj = _mm256_broadcast_ss(w + (s0 + s) * k_tile + j);
+                            const __m256 wj = _mm256_broadcast_ss(wu + (s0 + s) * k_tile + j);
                             a[s][0] = _mm256_fmadd_ps(wj, x0, a[s][0]);
                             a[s][1] = _mm256_fmadd_ps(wj, x1, a[s][1]);
                         }
@@ -591,7 +616,7 @@ struct quant_tiles : converted_tiles<Element> {
                     for (std::size_t s = 0; s < G; ++s)
                         for (int v = 0; v < 2; ++v) {
                             if constexpr (four_bit)
-                                a[s][v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_set1_ps(wsum[s0 + s]), a[s][v]);
+                                a[s][v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_set1_ps(wsum[u * M + s0 + s]), a[s][v]);
                             _mm256_storeu_ps(ap + (s0 + s) * dv + half * 16 + v * 8, a[s][v]);
                         }
                 }
