@@ -69,10 +69,8 @@ public:
         if (!t_) return kvcache::detail::make_error(kvcache::errc::no_space, "maybe_tier: tier not configured");
         return t_->put(k, blob);
     }
-    /// T's move-taking put and map() (tier/tier.hpp, members 7 and 8), where T has them.
-    kvcache::result<void> put(const kvcache::tier::key& k, std::vector<std::byte>&& blob)
-        requires kvcache::tier::moving_put_tier<T>
-    {
+    /// T's put taking the bytes, and its map() where T has one (tier/tier.hpp, members 7, 8).
+    kvcache::result<void> put(const kvcache::tier::key& k, std::vector<std::byte>&& blob) {
         if (!t_) return kvcache::detail::make_error(kvcache::errc::no_space, "maybe_tier: tier not configured");
         return t_->put(k, std::move(blob));
     }

@@ -15,7 +15,9 @@
 //      (tier/mapped_blob.hpp: disk_tier maps its file, memory_tier lends its bytes): a hit
 //      costs no copy; tier_cache prefers it to get
 //   8. result<void> put(const key&, std::vector<std::byte>&& blob);  as put, taking the
-//      bytes (memory_tier keeps the vector: a promotion costs no copy)
+//      bytes (memory_tier keeps the vector: a promotion costs no copy); tier_cache calls
+//      put with an rvalue vector where it can give one up (a tier without the overload
+//      gets it as a span)
 // A tier checks nothing inside the blobs it holds: tier_cache verifies every blob it gets
 // (tier/blob.hpp) and erases the ones it refuses.
 #pragma once
@@ -52,11 +54,6 @@ concept storage_tier = requires(T& t, const T& ct, const key& k, std::span<const
 template <class T>
 concept mappable_tier = requires(T& t, const key& k, mapped_blob& out) {
     { t.map(k, out) } -> std::same_as<bool>;
-};
-/// Whether tier T has the optional put taking the bytes (member 8 above).
-template <class T>
-concept moving_put_tier = requires(T& t, const key& k, std::vector<std::byte>&& b) {
-    { t.put(k, std::move(b)) } -> std::same_as<result<void>>;
 };
 
 /// Blobs in this process's memory under a byte limit, least recently used evicted first.

@@ -406,16 +406,8 @@ public:
             // The tiers above the source, the first one last: it may take the vector itself.
             for_each_reverse([&](auto& up, std::size_t u) {
                 if (u >= p.from || up.contains(p.k)) return;
-                bool ok = false;
-                if constexpr (moving_put_tier<std::remove_reference_t<decltype(up)>>) {
-                    if (u == 0 && vec != nullptr) {
-                        ok = put_into(up, u, p.k, std::move(*vec), b.size());
-                    } else {
-                        ok = put_into(up, u, p.k, b);
-                    }
-                } else {
-                    ok = put_into(up, u, p.k, b);
-                }
+                const bool ok = u == 0 && vec != nullptr ? put_into(up, u, p.k, std::move(*vec), b.size())
+                                                         : put_into(up, u, p.k, b);
                 if (ok) ++metrics_.tiers[u].promotions;
             });
         }
