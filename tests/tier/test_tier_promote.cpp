@@ -346,3 +346,71 @@ TEST_CASE("slots + tiers: prepare defers the promotion, release runs it; a promo
     }
 }
 }
+
+namespace {
+using room_cache = kv_cache<f16, reuse::lcp>;
+
+/// Serves p on slot_manager sm as a host does, with K/V of a constant per prompt: prepare,
+/// place the rest, commit, release. Returns the prepared request.
+prepared_request room_serve(slot_manager<room_cache>& sm, room_cache& c, const prompt_tokens& p) {
+    const prepared_request r = sm.prepare(p).value();
+    std::vector<pos_t> pos;
+    for (std::size_t i = r.n_past; i < p.size(); ++i) pos.push_back(static_cast<pos_t>(i));
+    std::vector<seq_id_t> seq(pos.size(), r.seq);
+    const auto placed = c.place(pos, seq);
+    REQUIRE(placed);
+    std::vector<float> kv(pos.size() * c.shape().k_row_size(), static_cast<float>(p[0] % 7) * 0.125f);
+    for (std::uint32_t l = 0; l < c.shape().n_layer; ++l) {
+        c.write_k(l, placed.value().cells, kv.data());
+        c.write_v(l, placed.value().cells, kv.data());
+    }
+    static_cast<void>(c.commit());
+    sm.commit_prompt(r.slot);
+    sm.release(r.slot);
+    return r;
+}
+}  // namespace
+
+TEST_SUITE("tier_cache") {
+TEST_CASE("tier_cache: a blob without room is reported (fetch_info::no_room); prepare evicts idle states and retries") {
+    auto shape = tiertest::tier_shape();
+    shape.n_cells = 160;
+    const prompt_tokens req = tiertest::tier_prompt(100, 40), a = tiertest::tier_prompt(70, 41), b = tiertest::tier_prompt(70, 42);
+    // The blob of req (99 positions after the cap), computed in another cache.
+    room_cache src(shape);
+    tier::tier_cache<room_cache, tier::memory_tier> tc({.block_tokens = 16}, tier::memory_tier());
+    {
+        slot_manager<room_cache> s0(src, {.n_slots = 1});
+        room_serve(s0, src, req);
+        REQUIRE(tc.publish(src, 0, req).stored);
+    }
+    room_cache c(shape);
+    slot_manager<room_cache> sm(c, {.n_slots = 3});
+    room_serve(sm, c, a);
+    room_serve(sm, c, b);  // two idle slots hold 140 of the 160 cells
+    // The chain alone: no room for the 100-position blob, reported, nothing loaded.
+    const tier::fetch_info f = tc.fetch(c, 3, req, 0, 99);
+    CHECK(f.n_tokens == 0);
+    CHECK(f.no_room == 100);  // the blob under the longest key (96) holds all 100 positions
+    CHECK(c.seq_pos_max(3) < 0);
+    CHECK(tc.metrics().tiers[0].refused_for(tier::refusal::load) >= 1);
+    // Under the slot manager: make_room evicts idle states, the retry loads 99 positions.
+    sm.attach_tiers(tc, {.scratch_seq = 3, .publish_on_release = false});
+    const prepared_request r = sm.prepare(req).value();
+    CHECK(r.metrics.from_tier == 99);
+    CHECK(r.metrics.tier == 0);
+    CHECK(sm.metrics().slot_states_evicted >= 1);
+    CHECK(c.seq_pos_max(3) < 0);
+    std::vector<std::byte> want;
+    {
+        room_cache ref(shape);
+        slot_manager<room_cache> s0(ref, {.n_slots = 1});
+        room_serve(s0, ref, req);
+        REQUIRE(ref.seq_rm(0, 99, -1));
+        if (r.seq != 0) REQUIRE(ref.seq_cp(0, r.seq, -1, -1));
+        if (r.seq != 0) REQUIRE(ref.seq_rm(0, -1, -1));
+        want = io::save_seq(ref, r.seq);
+    }
+    CHECK(io::save_seq(c, r.seq) == want);
+}
+}

@@ -309,9 +309,10 @@ public:
     ///    request_options::salt). A longer hit replaces the sequence (request_metrics::
     ///    from_tier, tier; a replaced chunk-shift plan reports from_shift = 0 and the
     ///    prepared plan becomes a plain prefix of n_past); a shorter one is not taken. A
-    ///    fetch that fails (a refused blob, counted by the tier chain; no free cells for the
-    ///    load: idle states are not evicted for it) or throws std::bad_alloc (counted:
-    ///    tier_fetch_errors) leaves the slot as the plan left it.
+    ///    fetch that fails (a refused blob, counted by the tier chain) or throws
+    ///    std::bad_alloc (counted: tier_fetch_errors) leaves the slot as the plan left it.
+    ///    A longer blob that found no free cells (tier::fetch_info::no_room) is fetched once
+    ///    more after idle slot states and global entries were evicted for it (make_room).
     ///    A lower-tier hit is promoted as o.promote says (deferred by default: queued).
     ///  - release(), after the global save, runs the queued promotions
     ///    (tier_cache::promote_pending), then publishes the slot's tokens to the tiers
@@ -540,7 +541,7 @@ private:
         // Storage tiers (attach_tiers): a longer prefix replaces the sequence.
         if (reuse_on && tiers_.obj != nullptr && tiers_.opt.fetch_on_prepare && std::size_t{plan.n_past} + 1 < request.size()) {
             int tier_index = -1;
-            const std::uint32_t n = tier_fetch(seq, plan.n_past, request, ro.salt, tier_index);
+            const std::uint32_t n = tier_fetch(id, seq, plan.n_past, request, ro.salt, tier_index);
             if (n != plan.n_past) {  // replaced (or, a copy refused on a recurrent state, lost)
                 if (n < plan.n_past) {
                     drop_state(s, seq);
@@ -1081,14 +1082,21 @@ private:
     /// holds: have on a miss, a shorter hit, a refused copy (the slot's cells put back) or
     /// std::bad_alloc (counted); 0 only on a memory whose cells cannot be put back
     /// (recurrent_memory) when the copy is refused. The scratch sequence is empty afterwards.
-    std::uint32_t tier_fetch(seq_id_t seq, std::uint32_t have, const prompt_tokens& request, std::uint64_t salt,
+    /// A longer blob that found no free cells (fetch_info::no_room) gets one retry after
+    /// make_room evicted idle slot states and global entries for it (never slot self).
+    std::uint32_t tier_fetch(int self, seq_id_t seq, std::uint32_t have, const prompt_tokens& request, std::uint64_t salt,
                              int& tier_index) {
         const seq_id_t sc = tiers_.opt.scratch_seq;
         std::uint32_t out = have;
         [[maybe_unused]] std::optional<parked_state> parked;  // can_park: the plan's cells while the copy runs
         [[maybe_unused]] bool removed = false;                // otherwise: seq was emptied for the copy
         try {
-            const tier::fetch_info f = tiers_.fetch(tiers_.obj, *cache_, sc, request, salt, request.size() - 1, tiers_.opt.promote);
+            tier::fetch_info f = tiers_.fetch(tiers_.obj, *cache_, sc, request, salt, request.size() - 1, tiers_.opt.promote);
+            if (f.n_tokens <= have && f.no_room > have) {
+                if (f.n_tokens > 0) cache_->seq_rm(sc, -1, -1).value();  // the shorter hit gives way
+                make_room(f.no_room, self);
+                f = tiers_.fetch(tiers_.obj, *cache_, sc, request, salt, request.size() - 1, tiers_.opt.promote);
+            }
             if (f.n_tokens > have) {
                 if constexpr (can_park) {
                     parked.emplace(park(seq));  // allocates before it changes anything

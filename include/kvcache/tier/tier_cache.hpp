@@ -20,6 +20,7 @@
 // time. Processes share the tiers that are shared by nature (disk directory, Redis).
 #pragma once
 
+#include <algorithm>    // std::max
 #include <concepts>     // std::same_as
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
@@ -197,6 +198,9 @@ struct publish_info {
 struct fetch_info {
     std::uint32_t n_tokens = 0;  ///< positions loaded into dst (0: a miss)
     int tier = -1;               ///< index of the tier that held the blob (-1: a miss)
+    /// Positions of the longest blob that verified but found no room in the memory (0:
+    /// none); the fetch went on with shorter candidates. Make room and fetch again to load it.
+    std::uint32_t no_room = 0;
 };
 
 /// A chain of storage tiers, first = fastest (see above).
@@ -308,6 +312,7 @@ public:
         // Every key of the request, also beyond max_tokens: an entry keyed at n serves a
         // request of n positions capped at n - 1 (the usual cap: the last position's logits).
         const auto keys = block_keys(request, opt_.block_tokens, fp, salt);
+        std::uint32_t no_room = 0;
         for (std::size_t j = keys.size(); j-- > 0;) {
             const prefix_key& pk = keys[j];
             fetch_info found;
@@ -346,8 +351,9 @@ public:
                     ++tm.misses;  // found, but the cap leaves nothing of it (or a state that cannot be cut)
                     return false;
                 }
-                if (!load_prefix(mem, dst, v.payload, lcp, v.tokens.size())) {
+                if (const errc e = load_prefix(mem, dst, v.payload, lcp, v.tokens.size()); e != errc::ok) {
                     ++tm.refused[static_cast<std::size_t>(refusal::load)];
+                    if (e == errc::no_space) no_room = std::max(no_room, static_cast<std::uint32_t>(v.tokens.size()));
                     return false;
                 }
                 ++tm.hits;
@@ -358,10 +364,13 @@ public:
             if (found.n_tokens > 0) {
                 ++metrics_.fetch_hits;
                 metrics_.hit_tokens += found.n_tokens;
+                found.no_room = no_room;
                 return found;
             }
         }
-        return {};
+        fetch_info miss;
+        miss.no_room = no_room;
+        return miss;
     }
 
     /// The host hook under a slot manager: sequence seq holds the first have_n positions of
@@ -502,15 +511,16 @@ private:
     }
 
     /// Loads payload into the empty dst and keeps its first keep of n positions; on any
-    /// refusal dst is empty again and mem as before.
-    static bool load_prefix(Memory& mem, seq_id_t dst, std::span<const std::byte> payload, std::size_t keep, std::size_t n) {
-        if (!io::load_seq(mem, dst, payload)) return false;
+    /// refusal (its code: no_space when the memory had no room) dst is empty again and mem
+    /// as before.
+    static errc load_prefix(Memory& mem, seq_id_t dst, std::span<const std::byte> payload, std::size_t keep, std::size_t n) {
+        if (const auto r = io::load_seq(mem, dst, payload); !r) return r.code();
         if (static_cast<std::int64_t>(mem.seq_pos_max(dst)) + 1 != static_cast<std::int64_t>(n) ||
             (keep < n && !mem.seq_rm(dst, static_cast<pos_t>(keep), -1))) {
             static_cast<void>(mem.seq_rm(dst, -1, -1));
-            return false;
+            return errc::unsupported;  // the layout refused the cut
         }
-        return true;
+        return errc::ok;
     }
 
     /// Whether k was offered before (records it otherwise).
