@@ -57,20 +57,6 @@ std::vector<std::byte> promo_file(const std::string& path) {
     return out;
 }
 
-/// A storage tier whose put throws std::bad_alloc while `fail` is set (else a memory tier).
-struct promo_throwing_tier {
-    bool* fail;
-    tier::memory_tier inner;
-    result<void> put(const tier::key& k, std::span<const std::byte> b) {
-        if (*fail) throw std::bad_alloc();
-        return inner.put(k, b);
-    }
-    bool get(const tier::key& k, std::vector<std::byte>& out) { return inner.get(k, out); }
-    bool contains(const tier::key& k) const { return inner.contains(k); }
-    bool erase(const tier::key& k) { return inner.erase(k); }
-    std::size_t bytes() const { return inner.bytes(); }
-    std::string_view name() const { return "throwing"; }
-};
 }  // namespace
 
 TEST_SUITE("tier_cache") {
@@ -273,11 +259,11 @@ TEST_CASE("tier_cache: a corrupt or truncated mapped file is refused, counted an
 
 TEST_CASE("slots + tiers: prepare defers the promotion, release runs it; a promotion that throws is counted") {
     using cache_t = kv_cache<f16, reuse::global<>>;
-    using chain_t = tier::tier_cache<cache_t, promo_throwing_tier, tier::memory_tier>;
+    using chain_t = tier::tier_cache<cache_t, tiertest::throwing_tier, tier::memory_tier>;
     const prompt_tokens req = tiertest::tier_prompt(64, 31);
     // The blob of req, in the lower (memory) tier only.
     bool fail = false;
-    chain_t tc({.block_tokens = 16}, promo_throwing_tier{&fail, tier::memory_tier()}, tier::memory_tier());
+    chain_t tc({.block_tokens = 16}, tiertest::throwing_tier{&fail, tier::memory_tier()}, tier::memory_tier());
     cache_t src(tiertest::tier_shape());
     {
         std::vector<pos_t> pos;
