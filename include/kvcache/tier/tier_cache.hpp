@@ -31,8 +31,8 @@
 #include <string>       // Prometheus text
 #include <string_view>  // names
 #include <tuple>        // the tiers
-#include <unordered_set>  // sightings
 #include <type_traits>  // std::remove_reference_t
+#include <unordered_set>  // sightings
 #include <utility>      // std::index_sequence
 #include <variant>      // a pending promotion's bytes
 #include <vector>       // keys, blob scratch
