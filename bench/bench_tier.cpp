@@ -15,6 +15,14 @@
 // (checksums of blob and state) and copies it into the cache (4 passes, counted as 4).
 // first_touch_frac: the same rate divided by the copy bandwidth into freshly allocated
 // memory (page faults included), the bound of a transport that allocates per value.
+// Same-run comparisons (each iteration times both variants, alternating; counters in ms per
+// fetch and their ratio):
+//   tier_fetch_mapped_vs_copied/disk: fetch through disk_tier::map (the file mapped, read in
+//     place) against the same tier behind a wrapper with get() only (the file read into a
+//     buffer); counters mapped_ms, copied_ms, copied_over_mapped.
+//   tier_fetch_promotion/disk: a memory -> disk chain, the disk hit promoted into the memory
+//     tier inside the fetch (immediate) against queued (deferred; promote_pending() runs
+//     untimed); counters immediate_ms, deferred_ms, immediate_over_deferred.
 #include <benchmark/benchmark.h>
 #include <sys/mman.h>  // first_touch_copy_bw: fresh pages
 
@@ -28,7 +36,9 @@
 #include <filesystem>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -167,6 +177,79 @@ void tier_bench(benchmark::State& state, int what, int kind) {
     if constexpr (std::is_same_v<Tier, kvcache::tier::disk_tier>) std::filesystem::remove_all("bench_tier_dir");
 }
 
+/// The disk tier with get() only (no map()): the copying fetch path.
+struct get_only_disk {
+    kvcache::tier::disk_tier inner;
+    kvcache::result<void> put(const kvcache::tier::key& k, std::span<const std::byte> b) { return inner.put(k, b); }
+    bool get(const kvcache::tier::key& k, std::vector<std::byte>& out) { return inner.get(k, out); }
+    bool contains(const kvcache::tier::key& k) const { return inner.contains(k); }
+    bool erase(const kvcache::tier::key& k) { return inner.erase(k); }
+    std::size_t bytes() const { return inner.bytes(); }
+    std::string_view name() const { return inner.name(); }
+};
+
+/// Seconds of one fetch of p into sequence 1 of c (emptied afterwards).
+template <class Chain>
+double timed_fetch(benchmark::State& state, Chain& tc, tier_cache_t& c, const kvcache::prompt_tokens& p,
+                   kvcache::tier::promotion promote = kvcache::tier::promotion::immediate) {
+    const double t0 = kb::detail::now_s();
+    const auto f = tc.fetch(c, 1, p, 0, SIZE_MAX, promote);
+    const double dt = kb::detail::now_s() - t0;
+    if (f.n_tokens == 0) state.SkipWithError("fetch missed");
+    c.seq_rm(1, -1, -1).value();
+    return dt;
+}
+
+/// tier_fetch_mapped_vs_copied/disk (see the top).
+void tier_bench_mapped_vs_copied(benchmark::State& state) {
+    kvcache::prompt_tokens p;
+    auto c = tier_bench_cache(p);
+    std::filesystem::remove_all("bench_tier_dir");
+    kvcache::tier::tier_cache<tier_cache_t, kvcache::tier::disk_tier> mapped(
+        {.block_tokens = 64}, kvcache::tier::disk_tier("bench_tier_dir", {.sync = false}));
+    kvcache::tier::tier_cache<tier_cache_t, get_only_disk> copied(
+        {.block_tokens = 64}, get_only_disk{kvcache::tier::disk_tier("bench_tier_dir", {.sync = false})});
+    if (!mapped.publish(*c, 0, p).stored) state.SkipWithError("publish failed");
+    double t_map = 0, t_copy = 0;
+    for (auto _ : state) {
+        t_map += timed_fetch(state, mapped, *c, p);
+        t_copy += timed_fetch(state, copied, *c, p);
+    }
+    const double n = static_cast<double>(state.iterations());
+    state.counters["mapped_ms"] = 1e3 * t_map / n;
+    state.counters["copied_ms"] = 1e3 * t_copy / n;
+    state.counters["copied_over_mapped"] = t_copy / t_map;
+    std::filesystem::remove_all("bench_tier_dir");
+}
+
+/// tier_fetch_promotion/disk (see the top).
+void tier_bench_promotion(benchmark::State& state) {
+    using namespace kvcache::tier;
+    kvcache::prompt_tokens p;
+    auto c = tier_bench_cache(p);
+    std::filesystem::remove_all("bench_tier_dir");
+    tier_cache<tier_cache_t, memory_tier, disk_tier> tc({.block_tokens = 64}, memory_tier(),
+                                                        disk_tier("bench_tier_dir", {.sync = false}));
+    if (!tc.publish(*c, 0, p).stored) state.SkipWithError("publish failed");
+    const key k = block_keys(p, 64, memory_fingerprint(*c), 0).back().k;
+    double t_imm = 0, t_def = 0;
+    for (auto _ : state) {
+        tc.get<0>().erase(k);
+        t_imm += timed_fetch(state, tc, *c, p, promotion::immediate);
+        tc.get<0>().erase(k);
+        t_def += timed_fetch(state, tc, *c, p, promotion::deferred);
+        state.PauseTiming();
+        tc.promote_pending();
+        state.ResumeTiming();
+    }
+    if (tc.metrics().tiers[0].promotions != static_cast<std::uint64_t>(2 * state.iterations())) state.SkipWithError("promotions missing");
+    const double n = static_cast<double>(state.iterations());
+    state.counters["immediate_ms"] = 1e3 * t_imm / n;
+    state.counters["deferred_ms"] = 1e3 * t_def / n;
+    state.counters["immediate_over_deferred"] = t_imm / t_def;
+    std::filesystem::remove_all("bench_tier_dir");
+}
+
 void tier_bench_memory(benchmark::State& state, int what) { tier_bench<kvcache::tier::memory_tier>(state, what, 0); }
 void tier_bench_disk(benchmark::State& state, int what, int kind) { tier_bench<kvcache::tier::disk_tier>(state, what, kind); }
 void tier_bench_redis(benchmark::State& state, int what, int kind) {
@@ -195,6 +278,8 @@ BENCHMARK_CAPTURE(tier_bench_disk, fetch_disk, 2, 1)->Name("tier_fetch/disk/toke
 BENCHMARK_CAPTURE(tier_bench_redis, put_redis, 0, 0)->Name("tier_put/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(tier_bench_redis, get_redis, 1, 0)->Name("tier_get/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(tier_bench_redis, fetch_redis, 2, 0)->Name("tier_fetch/redis/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(tier_bench_mapped_vs_copied)->Name("tier_fetch_mapped_vs_copied/disk/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(tier_bench_promotion)->Name("tier_fetch_promotion/disk/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
 // One 32 MiB value (chunk_bytes = 0), the layout before chunks: compare with the rows above.
 BENCHMARK_CAPTURE(tier_bench_redis, put_redis_whole, 0, 1)->Name("tier_put/redis_whole/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(tier_bench_redis, get_redis_whole, 1, 1)->Name("tier_get/redis_whole/tokens:1000")->Unit(benchmark::kMillisecond)->UseRealTime();

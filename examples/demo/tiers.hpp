@@ -69,7 +69,17 @@ public:
         if (!t_) return kvcache::detail::make_error(kvcache::errc::no_space, "maybe_tier: tier not configured");
         return t_->put(k, blob);
     }
+    /// T's put taking the bytes, and its map() where T has one (tier/tier.hpp, members 7, 8).
+    kvcache::result<void> put(const kvcache::tier::key& k, std::vector<std::byte>&& blob) {
+        if (!t_) return kvcache::detail::make_error(kvcache::errc::no_space, "maybe_tier: tier not configured");
+        return t_->put(k, std::move(blob));
+    }
     bool get(const kvcache::tier::key& k, std::vector<std::byte>& out) { return t_ && t_->get(k, out); }
+    bool map(const kvcache::tier::key& k, kvcache::tier::mapped_blob& out)
+        requires kvcache::tier::mappable_tier<T>
+    {
+        return t_ && t_->map(k, out);
+    }
     [[nodiscard]] bool contains(const kvcache::tier::key& k) { return t_ && t_->contains(k); }
     bool erase(const kvcache::tier::key& k) { return t_ && t_->erase(k); }
     [[nodiscard]] std::size_t bytes() const { return t_ ? t_->bytes() : 0; }

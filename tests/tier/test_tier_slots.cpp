@@ -90,23 +90,6 @@ prompt_tokens tslot_first(const prompt_tokens& p, std::size_t n) {
     return q;
 }
 
-/// A storage tier whose calls throw std::bad_alloc while `fail` is set (else a memory tier).
-struct tslot_throwing_tier {
-    bool* fail;
-    tier::memory_tier inner;
-    result<void> put(const tier::key& k, std::span<const std::byte> b) {
-        if (*fail) throw std::bad_alloc();
-        return inner.put(k, b);
-    }
-    bool get(const tier::key& k, std::vector<std::byte>& out) {
-        if (*fail) throw std::bad_alloc();
-        return inner.get(k, out);
-    }
-    bool contains(const tier::key& k) const { return inner.contains(k); }
-    bool erase(const tier::key& k) { return inner.erase(k); }
-    std::size_t bytes() const { return inner.bytes(); }
-    std::string_view name() const { return "throwing"; }
-};
 }  // namespace
 
 // (Registered under the tier_cache CTest suite: tests/CMakeLists.txt lists the tier suites.)
@@ -286,9 +269,9 @@ TEST_CASE("slots + tiers: reuse::lcp without a global cache on the paged layout;
 }
 
 TEST_CASE("slots + tiers: a tier that throws: fetch leaves the plan's prefix, release completes; both counted") {
-    using throwing_chain = tier::tier_cache<tslot_paged, tslot_throwing_tier>;
+    using throwing_chain = tier::tier_cache<tslot_paged, tiertest::throwing_tier>;
     bool fail = false;
-    throwing_chain tc({.block_tokens = 16}, tslot_throwing_tier{&fail, tier::memory_tier()});
+    throwing_chain tc({.block_tokens = 16}, tiertest::throwing_tier{&fail, tier::memory_tier()});
     const prompt_tokens req = tiertest::tier_prompt(64, 3);
     tslot_paged c(tiertest::tier_shape());
     slot_manager<tslot_paged> sm(c, {.n_slots = 2});

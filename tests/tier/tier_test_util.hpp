@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <new>
+#include <span>
+#include <string_view>
 #include <unistd.h>
 #include <random>
 #include <string>
@@ -67,5 +70,23 @@ inline std::string tier_scratch_dir(const std::string& name) {
     return d;
 }
 inline void tier_remove_dir(const std::string& d) { std::filesystem::remove_all(d); }
+
+/// A storage tier whose calls throw std::bad_alloc while `fail` is set (else a memory tier).
+struct throwing_tier {
+    bool* fail;
+    kvcache::tier::memory_tier inner;
+    kvcache::result<void> put(const kvcache::tier::key& k, std::span<const std::byte> b) {
+        if (*fail) throw std::bad_alloc();
+        return inner.put(k, b);
+    }
+    bool get(const kvcache::tier::key& k, std::vector<std::byte>& out) {
+        if (*fail) throw std::bad_alloc();
+        return inner.get(k, out);
+    }
+    bool contains(const kvcache::tier::key& k) const { return inner.contains(k); }
+    bool erase(const kvcache::tier::key& k) { return inner.erase(k); }
+    std::size_t bytes() const { return inner.bytes(); }
+    std::string_view name() const { return "throwing"; }
+};
 
 }  // namespace tiertest

@@ -148,6 +148,10 @@ struct tier_hook_options {
     seq_id_t scratch_seq = -1;
     bool publish_on_release = true;  ///< release() offers the slot's tokens to the tiers (after the global save)
     bool fetch_on_prepare = true;    ///< prepare() asks the tiers for a longer prefix than it kept
+    /// Promotion of a lower-tier hit found by prepare(): deferred (default) keeps the copy
+    /// into the upper tiers off the request's time to first token; release() runs the
+    /// queued promotions (tier_cache::promote_pending) before it publishes.
+    tier::promotion promote = tier::promotion::deferred;
 };
 
 /// Where a request's tokens came from (vLLM's meaning: query_tokens = n_request, hit_tokens
@@ -305,11 +309,14 @@ public:
     ///    request_options::salt). A longer hit replaces the sequence (request_metrics::
     ///    from_tier, tier; a replaced chunk-shift plan reports from_shift = 0 and the
     ///    prepared plan becomes a plain prefix of n_past); a shorter one is not taken. A
-    ///    fetch that fails (a refused blob, counted by the tier chain; no free cells for the
-    ///    load: idle states are not evicted for it) or throws std::bad_alloc (counted:
-    ///    tier_fetch_errors) leaves the slot as the plan left it.
-    ///  - release(), after the global save, publishes the slot's tokens to the tiers
-    ///    (tier_cache::publish, the slot's salt). A publish that throws is counted
+    ///    fetch that fails (a refused blob, counted by the tier chain) or throws
+    ///    std::bad_alloc (counted: tier_fetch_errors) leaves the slot as the plan left it.
+    ///    A longer blob that found no free cells (tier::fetch_info::no_room) is fetched once
+    ///    more after idle slot states and global entries were evicted for it (make_room).
+    ///    A lower-tier hit is promoted as o.promote says (deferred by default: queued).
+    ///  - release(), after the global save, runs the queued promotions
+    ///    (tier_cache::promote_pending), then publishes the slot's tokens to the tiers
+    ///    (tier_cache::publish, the slot's salt). Either throwing is counted
     ///    (tier_publish_errors) and the release completes.
     /// Memories with recurrent state (recurrent_memory, hybrid_memory) take only tier blobs
     /// whose whole length fits the request (tier_cache::can_cut). Without a global prompt
@@ -339,7 +346,10 @@ public:
         tiers_.obj = &tiers;
         tiers_.opt = o;
         tiers_.fetch = [](void* t, Cache& c, seq_id_t dst, const prompt_tokens& req, std::uint64_t salt,
-                          std::size_t max_tokens) { return static_cast<TierCache*>(t)->fetch(c, dst, req, salt, max_tokens); };
+                          std::size_t max_tokens, tier::promotion promote) {
+            return static_cast<TierCache*>(t)->fetch(c, dst, req, salt, max_tokens, promote);
+        };
+        tiers_.promote_pending = [](void* t) { static_cast<void>(static_cast<TierCache*>(t)->promote_pending()); };
         tiers_.publish = [](void* t, const Cache& c, seq_id_t seq, const prompt_tokens& tok, std::uint64_t salt) {
             static_cast<void>(static_cast<TierCache*>(t)->publish(c, seq, tok, salt));
         };
@@ -531,7 +541,7 @@ private:
         // Storage tiers (attach_tiers): a longer prefix replaces the sequence.
         if (reuse_on && tiers_.obj != nullptr && tiers_.opt.fetch_on_prepare && std::size_t{plan.n_past} + 1 < request.size()) {
             int tier_index = -1;
-            const std::uint32_t n = tier_fetch(seq, plan.n_past, request, ro.salt, tier_index);
+            const std::uint32_t n = tier_fetch(id, seq, plan.n_past, request, ro.salt, tier_index);
             if (n != plan.n_past) {  // replaced (or, a copy refused on a recurrent state, lost)
                 if (n < plan.n_past) {
                     drop_state(s, seq);
@@ -679,7 +689,15 @@ public:
                               {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
             }
         }
-        // The storage tiers (attach_tiers) after the global save; best effort.
+        // The storage tiers (attach_tiers) after the global save; best effort. The queued
+        // promotions first (prepare's deferred ones): a failure is counted, never thrown.
+        if (tiers_.obj != nullptr) {
+            try {
+                tiers_.promote_pending(tiers_.obj);
+            } catch (const std::exception&) {
+                ++counters_.tier_publish_errors;
+            }
+        }
         if (tiers_.obj != nullptr && tiers_.opt.publish_on_release && s.opts.cache_prompt && !s.tokens.empty()) {
             try {
                 tiers_.publish(tiers_.obj, *cache_, seq, s.tokens, s.salt);
@@ -1050,7 +1068,9 @@ private:
     struct tier_hook {
         void* obj = nullptr;
         tier_hook_options opt{};
-        tier::fetch_info (*fetch)(void*, Cache&, seq_id_t, const prompt_tokens&, std::uint64_t, std::size_t) = nullptr;
+        tier::fetch_info (*fetch)(void*, Cache&, seq_id_t, const prompt_tokens&, std::uint64_t, std::size_t,
+                                  tier::promotion) = nullptr;
+        void (*promote_pending)(void*) = nullptr;
         void (*publish)(void*, const Cache&, seq_id_t, const prompt_tokens&, std::uint64_t) = nullptr;
         tier::tier_cache_metrics (*metrics)(void*) = nullptr;
     };
@@ -1062,14 +1082,21 @@ private:
     /// holds: have on a miss, a shorter hit, a refused copy (the slot's cells put back) or
     /// std::bad_alloc (counted); 0 only on a memory whose cells cannot be put back
     /// (recurrent_memory) when the copy is refused. The scratch sequence is empty afterwards.
-    std::uint32_t tier_fetch(seq_id_t seq, std::uint32_t have, const prompt_tokens& request, std::uint64_t salt,
+    /// A longer blob that found no free cells (fetch_info::no_room) gets one retry after
+    /// make_room evicted idle slot states and global entries for it (never slot self).
+    std::uint32_t tier_fetch(int self, seq_id_t seq, std::uint32_t have, const prompt_tokens& request, std::uint64_t salt,
                              int& tier_index) {
         const seq_id_t sc = tiers_.opt.scratch_seq;
         std::uint32_t out = have;
         [[maybe_unused]] std::optional<parked_state> parked;  // can_park: the plan's cells while the copy runs
         [[maybe_unused]] bool removed = false;                // otherwise: seq was emptied for the copy
         try {
-            const tier::fetch_info f = tiers_.fetch(tiers_.obj, *cache_, sc, request, salt, request.size() - 1);
+            tier::fetch_info f = tiers_.fetch(tiers_.obj, *cache_, sc, request, salt, request.size() - 1, tiers_.opt.promote);
+            if (f.n_tokens <= have && f.no_room > have) {
+                if (f.n_tokens > 0) cache_->seq_rm(sc, -1, -1).value();  // the shorter hit gives way
+                make_room(f.no_room, self);
+                f = tiers_.fetch(tiers_.obj, *cache_, sc, request, salt, request.size() - 1, tiers_.opt.promote);
+            }
             if (f.n_tokens > have) {
                 if constexpr (can_park) {
                     parked.emplace(park(seq));  // allocates before it changes anything

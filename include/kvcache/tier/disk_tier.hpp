@@ -7,7 +7,9 @@
 // The last access is the file's mtime (set by put and by every get), the LRU order of the
 // byte limit; any process may evict any file. Readers keep their open file when another
 // process replaces or evicts it (POSIX unlink semantics), so processes never see a
-// half-written blob. A blob corrupted in place (bit rot, a copy cut short) is refused by
+// half-written blob. map() reads a blob in place (a read-only mapping of its file, no
+// copy); if something outside the library truncates a mapped file in place, reading it
+// raises SIGBUS (tier/mapped_blob.hpp). A blob corrupted in place (bit rot, a copy cut short) is refused by
 // tier_cache's verification and erased.
 //
 // Index: the files' sizes, built lazily: the first call lists the directory; each later
@@ -20,6 +22,7 @@
 
 #include <dirent.h>    // opendir, readdir
 #include <fcntl.h>     // open
+#include <sys/mman.h>  // mmap
 #include <sys/stat.h>  // stat, futimens
 #include <unistd.h>    // read, write, fsync, unlink, getpid
 
@@ -40,6 +43,7 @@
 #include "blob.hpp"
 #include "buffer.hpp"
 #include "key.hpp"
+#include "mapped_blob.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 namespace tier {
@@ -151,6 +155,52 @@ public:
             return false;
         }
         set_size(hex, size);
+        return true;
+    }
+
+    /// As get, reading the file in place: a read-only mapping of it (pages populated from
+    /// the page cache, no copy into a buffer), owned by `out`. The file's header is checked
+    /// as by get (a bad one is removed); the mapping stays valid when the file is replaced
+    /// or removed meanwhile, not when it is truncated in place (SIGBUS, see above).
+    bool map(const key& k, mapped_blob& out) {
+        step_scan();
+        out.reset();
+        const std::string hex = k.hex();
+        const int fd = ::open(file_of(hex).c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            if (errno != ENOENT) ++stats_.io_errors;
+            forget(hex);
+            return false;
+        }
+        struct stat st{};
+        const bool stat_ok = ::fstat(fd, &st) == 0;
+        const auto size = stat_ok ? static_cast<std::size_t>(st.st_size) : 0;
+        void* addr = MAP_FAILED;
+        if (size >= blob_header_size) {
+            int flags = MAP_PRIVATE;
+#ifdef MAP_POPULATE
+            flags |= MAP_POPULATE;  // the verification reads every byte: map the pages at once
+#endif
+            addr = ::mmap(nullptr, size, PROT_READ, flags, fd, 0);
+            if (addr == MAP_FAILED) ++stats_.io_errors;
+            else ::futimens(fd, nullptr);  // last access = now (LRU)
+        } else if (!stat_ok) {
+            ++stats_.io_errors;
+        }
+        ::close(fd);
+        if (addr == MAP_FAILED) {
+            if (stat_ok && size < blob_header_size) remove_corrupt(hex);
+            return false;
+        }
+        mapped_blob m = mapped_blob::adopt_mapping(addr, size);
+        blob_header h;
+        if (read_blob_header(m.bytes(), h) != refusal::none || h.total_size != size) {
+            m.reset();
+            remove_corrupt(hex);
+            return false;
+        }
+        set_size(hex, size);
+        out = std::move(m);
         return true;
     }
 

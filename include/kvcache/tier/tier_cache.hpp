@@ -9,7 +9,10 @@
 // from the longest to the shortest, each in tier order; the first blob that verifies
 // (tier/blob.hpp: checksum, key, fingerprint, tenant, tokens) and loads (io::load_seq,
 // which validates the state again) wins, is cut to its common prefix with the request and
-// promoted into the tiers above the one that held it. A refused blob is erased from its
+// promoted into the tiers above the one that held it: at once (promotion::immediate) or
+// queued and written by promote_pending() / flush() (promotion::deferred: the copy into the
+// upper tiers leaves the request path). A tier with map() (disk_tier, memory_tier) is read
+// in place, the verification and load straight from its mapping. A refused blob is erased from its
 // tier and counted by reason; the request then goes on with the next candidate, so a
 // collision, another model's or tenant's blob, or corrupt bytes is a miss, never wrong K/V.
 // Each tier evicts by its own byte limit (LRU).
@@ -17,16 +20,21 @@
 // time. Processes share the tiers that are shared by nature (disk directory, Redis).
 #pragma once
 
+#include <algorithm>    // std::max
 #include <concepts>     // std::same_as
 #include <cstddef>      // std::size_t
 #include <cstdint>      // fixed-width integers
-#include <deque>        // sightings, oldest first
+#include <cstring>      // std::memcpy
+#include <deque>        // sightings, pending promotions, oldest first
+#include <optional>     // fetch's promotion override
 #include <span>         // labels
 #include <string>       // Prometheus text
 #include <string_view>  // names
 #include <tuple>        // the tiers
+#include <type_traits>  // std::remove_reference_t
 #include <unordered_set>  // sightings
 #include <utility>      // std::index_sequence
+#include <variant>      // a pending promotion's bytes
 #include <vector>       // keys, blob scratch
 
 #include "../error.hpp"
@@ -54,6 +62,12 @@ enum class write_mode : std::uint8_t {
     write_back,     ///< the first tier at once, the others on flush()
 };
 
+/// When a blob found in a lower tier is written into the tiers above it.
+enum class promotion : std::uint8_t {
+    immediate,  ///< inside fetch(), before it returns
+    deferred,   ///< queued (bounded by max_pending_bytes) and written by promote_pending() / flush()
+};
+
 /// Options of a tier_cache.
 struct tier_cache_options {
     /// Positions per key block; a prefix is found in the tiers at multiples of it.
@@ -62,6 +76,12 @@ struct tier_cache_options {
     write_mode write = write_mode::write_through;
     /// Keys remembered for admission::second_sighting (oldest forgotten first).
     std::size_t sightings_memory = std::size_t{1} << 16;
+    /// Promotion of a lower-tier hit (fetch() may override it per call).
+    promotion promote = promotion::immediate;
+    /// Bytes of deferred promotions queued at most; a promotion that would exceed it is
+    /// dropped (counted: promotions_dropped). A queued promotion holds its blob (a disk
+    /// tier's mapping, or a copy in memory) until promote_pending() runs.
+    std::size_t max_pending_bytes = std::size_t{256} << 20;
 };
 
 /// Counters of one tier inside a tier_cache.
@@ -89,6 +109,10 @@ struct tier_cache_metrics {
     std::uint64_t fetches = 0;            ///< fetch calls
     std::uint64_t fetch_hits = 0;         ///< fetches that loaded an entry
     std::uint64_t hit_tokens = 0;         ///< positions loaded by those fetches
+    std::uint64_t promotions_deferred = 0;  ///< promotions queued (promotion::deferred)
+    std::uint64_t promotions_dropped = 0;   ///< deferred promotions dropped: max_pending_bytes reached
+    std::size_t pending_promotions = 0;     ///< promotions queued now
+    std::size_t pending_bytes = 0;          ///< bytes of the promotions queued now
     std::vector<std::string> names;       ///< tier names, chain order
     std::vector<tier_metrics> tiers;      ///< per tier, chain order
 };
@@ -138,6 +162,12 @@ inline std::string to_prometheus(const tier_cache_metrics& m, std::string_view p
     one("tier_fetches_total", "Lookups of the storage tiers.", m.fetches);
     one("tier_fetch_hits_total", "Lookups that loaded an entry from a storage tier.", m.fetch_hits);
     one("tier_hit_tokens_total", "Positions loaded from the storage tiers.", m.hit_tokens);
+    one("tier_promotions_deferred_total", "Promotions queued for promote_pending().", m.promotions_deferred);
+    one("tier_promotions_dropped_total", "Deferred promotions dropped: the pending byte bound was reached.", m.promotions_dropped);
+    head("tier_pending_promotions", "gauge", "Promotions queued now.");
+    sample("tier_pending_promotions", "", m.pending_promotions);
+    head("tier_pending_promotion_bytes", "gauge", "Bytes of the promotions queued now.");
+    sample("tier_pending_promotion_bytes", "", m.pending_bytes);
     auto per_tier = [&](std::string_view name, std::string_view type, std::string_view help, auto field) {
         head(name, type, help);
         for (std::size_t t = 0; t < m.tiers.size(); ++t) sample(name, "tier=\"" + m.names[t] + "\"", field(m.tiers[t]));
@@ -168,6 +198,9 @@ struct publish_info {
 struct fetch_info {
     std::uint32_t n_tokens = 0;  ///< positions loaded into dst (0: a miss)
     int tier = -1;               ///< index of the tier that held the blob (-1: a miss)
+    /// Positions of the longest blob that verified but found no room in the memory (0:
+    /// none); the fetch went on with shorter candidates. Make room and fetch again to load it.
+    std::uint32_t no_room = 0;
 };
 
 /// A chain of storage tiers, first = fastest (see above).
@@ -241,9 +274,11 @@ public:
         return info;
     }
 
-    /// Writes the entries published since the last flush (write_back) to the lower tiers,
-    /// from the first tier (entries it evicted meanwhile are lost). Returns the entries written.
+    /// Runs the deferred promotions (promote_pending()), then writes the entries published
+    /// since the last flush (write_back) to the lower tiers, from the first tier (entries it
+    /// evicted meanwhile are lost). Returns the write_back entries written.
     std::size_t flush() {
+        static_cast<void>(promote_pending());
         std::size_t n = 0;
         for (const key& k : pending_) {
             if (!std::get<0>(tiers_).get(k, scratch_)) continue;
@@ -262,9 +297,11 @@ public:
     /// then capped at max_tokens positions (and cut back to the start of a media chunk the
     /// cap falls into); on a memory with recurrent state only whole blobs (see can_cut). A miss (n_tokens = 0)
     /// leaves mem unchanged. Throws invalid_argument when dst is not empty,
-    /// transaction_open while placements are staged.
+    /// transaction_open while placements are staged. promote: this call's promotion of a
+    /// lower-tier hit (default: options().promote).
     fetch_info fetch(Memory& mem, seq_id_t dst, const prompt_tokens& request, std::uint64_t salt = 0,
-                     std::size_t max_tokens = SIZE_MAX) {
+                     std::size_t max_tokens = SIZE_MAX, std::optional<promotion> promote = std::nullopt) {
+        const promotion mode = promote.value_or(opt_.promote);
         ++metrics_.fetches;
         if (mem.in_transaction())
             kvcache::detail::fail(errc::transaction_open, "tier_cache::fetch: placements are staged; commit() or restore() first");
@@ -275,21 +312,34 @@ public:
         // Every key of the request, also beyond max_tokens: an entry keyed at n serves a
         // request of n positions capped at n - 1 (the usual cap: the last position's logits).
         const auto keys = block_keys(request, opt_.block_tokens, fp, salt);
+        std::uint32_t no_room = 0;
         for (std::size_t j = keys.size(); j-- > 0;) {
             const prefix_key& pk = keys[j];
             fetch_info found;
             for_each([&](auto& t, std::size_t i) {
                 tier_metrics& tm = metrics_.tiers[i];
                 ++tm.probes;
-                if (!t.get(pk.k, scratch_)) {
-                    ++tm.misses;
-                    return false;
+                mapped_blob mapped;  // a tier with map(): the blob in place
+                std::span<const std::byte> bytes;
+                if constexpr (mappable_tier<std::remove_reference_t<decltype(t)>>) {
+                    if (!t.map(pk.k, mapped)) {
+                        ++tm.misses;
+                        return false;
+                    }
+                    bytes = mapped.bytes();
+                } else {
+                    if (!t.get(pk.k, scratch_)) {
+                        ++tm.misses;
+                        return false;
+                    }
+                    bytes = scratch_;
                 }
-                tm.bytes_read += scratch_.size();
+                tm.bytes_read += bytes.size();
                 blob_view v;
-                const refusal r = verify_blob(scratch_, pk.k, pk.n_tokens, fp, salt, request, v);
+                const refusal r = verify_blob(bytes, pk.k, pk.n_tokens, fp, salt, request, v);
                 if (r != refusal::none) {
                     ++tm.refused[static_cast<std::size_t>(r)];
+                    mapped.reset();
                     t.erase(pk.k);
                     tm.bytes = t.bytes();
                     return false;
@@ -301,27 +351,26 @@ public:
                     ++tm.misses;  // found, but the cap leaves nothing of it (or a state that cannot be cut)
                     return false;
                 }
-                if (!load_prefix(mem, dst, v.payload, lcp, v.tokens.size())) {
+                if (const errc e = load_prefix(mem, dst, v.payload, lcp, v.tokens.size()); e != errc::ok) {
                     ++tm.refused[static_cast<std::size_t>(refusal::load)];
+                    if (e == errc::no_space) no_room = std::max(no_room, static_cast<std::uint32_t>(v.tokens.size()));
                     return false;
                 }
                 ++tm.hits;
                 found = fetch_info{static_cast<std::uint32_t>(lcp), static_cast<int>(i)};
-                // Promote into the tiers above (the blob is still in scratch_).
-                for_each([&](auto& up, std::size_t u) {
-                    if (u >= i) return true;
-                    if (put_into(up, u, pk.k, scratch_)) ++metrics_.tiers[u].promotions;
-                    return false;
-                });
+                if (i > 0) promote_hit(i, pk.k, mode, std::move(mapped), bytes);
                 return true;
             });
             if (found.n_tokens > 0) {
                 ++metrics_.fetch_hits;
                 metrics_.hit_tokens += found.n_tokens;
+                found.no_room = no_room;
                 return found;
             }
         }
-        return {};
+        fetch_info miss;
+        miss.no_room = no_room;
+        return miss;
     }
 
     /// The host hook under a slot manager: sequence seq holds the first have_n positions of
@@ -333,12 +382,13 @@ public:
     /// positions; a layout refusing the copy (seq_cp) leaves seq empty (returns 0). Throws as fetch() (scratch not empty), and
     /// invalid_argument when seq does not end at have_n - 1.
     std::uint32_t fetch_longer(Memory& mem, seq_id_t seq, std::uint32_t have_n, const prompt_tokens& request,
-                               seq_id_t scratch, std::uint64_t salt = 0, std::size_t max_tokens = SIZE_MAX) {
+                               seq_id_t scratch, std::uint64_t salt = 0, std::size_t max_tokens = SIZE_MAX,
+                               std::optional<promotion> promote = std::nullopt) {
         if (static_cast<std::int64_t>(mem.seq_pos_max(seq)) + 1 != static_cast<std::int64_t>(have_n))
             kvcache::detail::fail(errc::invalid_argument, "tier_cache::fetch_longer: sequence " + std::to_string(seq) +
                                                               " ends at " + std::to_string(mem.seq_pos_max(seq)) +
                                                               ", have_n = " + std::to_string(have_n));
-        const fetch_info f = fetch(mem, scratch, request, salt, max_tokens);
+        const fetch_info f = fetch(mem, scratch, request, salt, max_tokens, promote);
         std::uint32_t out = have_n;
         if (f.n_tokens > have_n) {
             static_cast<void>(mem.seq_rm(seq, -1, -1));  // the whole sequence: never refused
@@ -348,8 +398,35 @@ public:
         return out;
     }
 
+    /// Writes the queued (deferred) promotions into the tiers above the one each came from,
+    /// oldest first, skipping a tier that holds the key by now; a tier's refusal is counted
+    /// (put_failures). Returns the promotions run. When a put throws (std::bad_alloc) that
+    /// promotion is dropped, the rest stay queued.
+    std::size_t promote_pending() {
+        std::size_t n = 0;
+        while (!pending_promos_.empty()) {
+            pending_promotion p = std::move(pending_promos_.front());
+            pending_promos_.pop_front();
+            pending_bytes_ -= p.size;
+            ++n;
+            auto* vec = std::get_if<std::vector<std::byte>>(&p.bytes);
+            const std::span<const std::byte> b =
+                vec != nullptr ? std::span<const std::byte>(*vec) : std::get<mapped_blob>(p.bytes).bytes();
+            // The tiers above the source, the first one last: it may take the vector itself.
+            for_each_reverse([&](auto& up, std::size_t u) {
+                if (u >= p.from || up.contains(p.k)) return;
+                const bool ok = u == 0 && vec != nullptr ? put_into(up, u, p.k, std::move(*vec), b.size())
+                                                         : put_into(up, u, p.k, b);
+                if (ok) ++metrics_.tiers[u].promotions;
+            });
+        }
+        return n;
+    }
+
     /// Counters, with each tier's bytes() now.
     [[nodiscard]] tier_cache_metrics metrics() {
+        metrics_.pending_promotions = pending_promos_.size();
+        metrics_.pending_bytes = pending_bytes_;
         for_each([&](auto& t, std::size_t i) {
             metrics_.tiers[i].bytes = t.bytes();
             return false;
@@ -366,6 +443,60 @@ private:
         }(std::index_sequence_for<Tiers...>{});
     }
 
+    /// Calls f(tier, index) for every tier, last first.
+    template <class F>
+    void for_each_reverse(F&& f) {
+        [&]<std::size_t... I>(std::index_sequence<I...>) {
+            constexpr std::size_t last = sizeof...(I) - 1;
+            (f(std::get<last - I>(tiers_), last - I), ...);
+        }(std::index_sequence_for<Tiers...>{});
+    }
+
+    /// The promotion of a hit in tier from > 0: `bytes`, held by `mapped` (a mapping or
+    /// lent bytes) or by scratch_ (mapped empty).
+    void promote_hit(std::size_t from, const key& k, promotion mode, mapped_blob mapped, std::span<const std::byte> bytes) {
+        if (mode == promotion::immediate) {
+            for_each([&](auto& up, std::size_t u) {
+                if (u >= from) return true;
+                if (put_into(up, u, k, bytes)) ++metrics_.tiers[u].promotions;
+                return false;
+            });
+            return;
+        }
+        for (const pending_promotion& p : pending_promos_)
+            if (p.k == k) return;  // queued already
+        if (bytes.size() > opt_.max_pending_bytes || pending_bytes_ > opt_.max_pending_bytes - bytes.size()) {
+            ++metrics_.promotions_dropped;
+            return;
+        }
+        std::variant<std::vector<std::byte>, mapped_blob> held;
+        if (mapped.owns()) {
+            held = std::move(mapped);  // the mapping itself: no copy
+        } else if (bytes.data() == scratch_.data()) {
+            held = std::exchange(scratch_, {});  // the buffer itself: no copy
+        } else {
+            std::vector<std::byte> copy;  // bytes a tier lent: valid only until it changes
+            kvcache::detail::resize_blob_buffer(copy, bytes.size());
+            if (!bytes.empty()) std::memcpy(copy.data(), bytes.data(), bytes.size());
+            held = std::move(copy);
+        }
+        pending_promos_.push_back(pending_promotion{k, from, bytes.size(), std::move(held)});
+        pending_bytes_ += bytes.size();
+        ++metrics_.promotions_deferred;
+    }
+
+    template <class T>
+    bool put_into(T& t, std::size_t i, const key& k, std::vector<std::byte>&& blob, std::size_t size) {
+        tier_metrics& tm = metrics_.tiers[i];
+        if (result<void> r = t.put(k, std::move(blob)); !r) {
+            ++tm.put_failures;
+            return false;
+        }
+        ++tm.puts;
+        tm.bytes_written += size;
+        tm.bytes = t.bytes();
+        return true;
+    }
     template <class T>
     bool put_into(T& t, std::size_t i, const key& k, std::span<const std::byte> blob) {
         tier_metrics& tm = metrics_.tiers[i];
@@ -380,15 +511,16 @@ private:
     }
 
     /// Loads payload into the empty dst and keeps its first keep of n positions; on any
-    /// refusal dst is empty again and mem as before.
-    static bool load_prefix(Memory& mem, seq_id_t dst, std::span<const std::byte> payload, std::size_t keep, std::size_t n) {
-        if (!io::load_seq(mem, dst, payload)) return false;
+    /// refusal (its code: no_space when the memory had no room) dst is empty again and mem
+    /// as before.
+    static errc load_prefix(Memory& mem, seq_id_t dst, std::span<const std::byte> payload, std::size_t keep, std::size_t n) {
+        if (const auto r = io::load_seq(mem, dst, payload); !r) return r.code();
         if (static_cast<std::int64_t>(mem.seq_pos_max(dst)) + 1 != static_cast<std::int64_t>(n) ||
             (keep < n && !mem.seq_rm(dst, static_cast<pos_t>(keep), -1))) {
             static_cast<void>(mem.seq_rm(dst, -1, -1));
-            return false;
+            return errc::unsupported;  // the layout refused the cut
         }
-        return true;
+        return errc::ok;
     }
 
     /// Whether k was offered before (records it otherwise).
@@ -408,6 +540,14 @@ private:
     tier_cache_metrics metrics_;
     std::vector<std::byte> scratch_;  // the blob being got
     std::vector<key> pending_;        // write_back: published since the last flush
+    struct pending_promotion {
+        key k;
+        std::size_t from = 0;  // the tier that held the blob
+        std::size_t size = 0;
+        std::variant<std::vector<std::byte>, mapped_blob> bytes;
+    };
+    std::deque<pending_promotion> pending_promos_;  // promotion::deferred, oldest first
+    std::size_t pending_bytes_ = 0;
     std::unordered_set<key, key_hash> seen_;
     std::deque<key> seen_order_;
 };
