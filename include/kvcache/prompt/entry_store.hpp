@@ -322,6 +322,8 @@ public:
     }
     /// Reserved sequence ids not holding an entry.
     [[nodiscard]] std::size_t n_free() const noexcept { return free_.size(); }
+    /// Reserved sequence ids not holding an entry, the next one save() takes last.
+    [[nodiscard]] std::span<const seq_id_t> free_ids() const noexcept { return free_; }
     /// Whether sequence id s is reserved for entries.
     [[nodiscard]] bool reserves(seq_id_t s) const noexcept { return s >= first_ && std::int64_t{s} < std::int64_t{first_} + n_; }
 

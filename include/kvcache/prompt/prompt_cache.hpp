@@ -358,6 +358,26 @@ public:
         return out;
     }
 
+    /// Unpinned entries in eviction order (the first is evicted next).
+    [[nodiscard]] std::vector<entry_id> eviction_order() const {
+        std::vector<entry_id> out;
+        out.reserve(order_.size());
+        for (const auto& o : order_) out.push_back(o.second);
+        return out;
+    }
+    /// What the eviction policy knows of entry id (nullptr if the id is unknown).
+    [[nodiscard]] const entry_stats* stats_of(entry_id id) const noexcept {
+        const auto it = entries_.find(id);
+        return it == entries_.end() ? nullptr : &it->second.stats;
+    }
+    /// Calls f(salt, key) for every remembered key of an evicted entry (evicted_lcp), oldest first.
+    template <class F>
+    void for_each_evicted(F&& f) const {
+        for (const auto& [salt, key] : ghost_order_) f(salt, std::span<const key_symbol>(key));
+    }
+    /// The radix index of the remembered evicted keys (ids unused).
+    [[nodiscard]] const radix_index& evicted_index() const noexcept { return ghost_; }
+
     /// Saves the state of sequence seq, which holds `tokens`, as a new entry (llama-server's
     /// prompt_save). Skipped (returns nullopt) if tokens is empty or an entry of the same
     /// tenant already starts with tokens; entries that are prefixes of tokens are dropped

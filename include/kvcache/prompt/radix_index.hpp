@@ -14,6 +14,7 @@
 // x log fan-out).
 #pragma once
 
+#include <algorithm>      // std::sort (for_each_node)
 #include <cstddef>        // std::size_t
 #include <cstdint>        // fixed-width integers
 #include <limits>         // no-entry marker
@@ -186,6 +187,18 @@ public:
         }
     }
 
+    /// Calls f(salt, depth, label, entry) for every node: trees by increasing salt, each in
+    /// pre-order with children by increasing first symbol; entry is nullptr for a node
+    /// without one (a root's label is empty). A comparable picture of the structure, for
+    /// tests and tools; allocates.
+    template <class F>
+    void for_each_node(F&& f) const {
+        std::vector<std::uint64_t> salts;
+        for (const auto& [salt, root] : roots_) salts.push_back(salt);
+        std::sort(salts.begin(), salts.end());
+        for (std::uint64_t salt : salts) visit(salt, *roots_.at(salt), f);
+    }
+
     /// Removes every entry.
     void clear() noexcept {
         roots_.clear();
@@ -295,6 +308,15 @@ private:
             n->child_mins = std::move(c->child_mins);
             --n_nodes_;
         }
+    }
+
+    template <class F>
+    static void visit(std::uint64_t salt, const node& n, F& f) {
+        f(salt, n.depth, std::span<const key_symbol>(n.label), n.has_entry ? &n.entry : nullptr);
+        std::vector<key_symbol> firsts;
+        for (const auto& [sym, c] : n.children) firsts.push_back(sym);
+        std::sort(firsts.begin(), firsts.end());
+        for (key_symbol sym : firsts) visit(salt, *n.children.at(sym), f);
     }
 
     /// Id of an entry of length n.sub_min in n's subtree.
