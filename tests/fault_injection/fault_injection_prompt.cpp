@@ -21,7 +21,10 @@
 #include <kvcache/layout/paged.hpp>
 
 #include <functional>
+#include <iterator>
+#include <map>
 #include <new>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -391,4 +394,73 @@ TEST_CASE("fault injection: slots and prompt cache, paged, copy_store, no free b
 }
 TEST_CASE("fault injection: slots and prompt cache, paged, shared_store") {
     fip_sweep_all<paged_g, shared_store<paged_g>>(false);
+}
+
+namespace {
+/// The whole structure of an index: entries, nodes, every label symbol.
+std::string fip_dump(const radix_index& x) {
+    std::ostringstream os;
+    os << x.size() << " entries " << x.node_count() << " nodes\n";
+    x.for_each_node([&](std::uint64_t salt, std::uint32_t depth, std::span<const key_symbol> label,
+                        const radix_index::entry_id* e) {
+        os << salt << ' ' << depth << " [";
+        for (key_symbol k : label) os << ' ' << k;
+        os << " ] " << (e ? std::to_string(*e) : std::string("-")) << '\n';
+    });
+    return os.str();
+}
+}  // namespace
+
+TEST_CASE("fault injection: radix_index insert is complete or nothing, erase never allocates, the tree stays canonical") {
+    std::mt19937 rng(2511);
+    radix_index ix;
+    std::map<std::pair<std::uint64_t, std::vector<key_symbol>>, radix_index::entry_id> model;  // the reference
+    radix_index::entry_id next = 1;
+    long throws = 0;
+    for (int step = 0; step < 400; ++step) {
+        CAPTURE(step);
+        const std::uint64_t salt = rng() % 2;
+        std::vector<key_symbol> key(1 + rng() % 12);
+        for (auto& k : key) k = 1 + rng() % 3;  // a small alphabet: many shared prefixes, splits and merges
+        if (rng() % 3 != 0 || model.empty()) {
+            const std::string before = fip_dump(ix);
+            bool inserted = false;
+            for (long n = 1;; ++n) {
+                fi::arm(n);
+                try {
+                    inserted = ix.insert(salt, key, next);
+                    fi::disarm();
+                    break;
+                } catch (const std::bad_alloc&) {
+                    fi::disarm();
+                    ++throws;
+                    REQUIRE(fip_dump(ix) == before);
+                }
+            }
+            CHECK(inserted == !model.contains({salt, key}));
+            if (inserted) model.emplace(std::pair{salt, key}, next++);
+        } else {
+            auto it = model.begin();
+            std::advance(it, static_cast<long>(rng() % model.size()));
+            const long budget = 1000000;
+            fi::arm(budget);
+            const bool erased = ix.erase(it->first.first, it->first.second);
+            const long left = fi::countdown.load();
+            fi::disarm();
+            CHECK(erased);
+            CHECK(left == budget);  // no allocation
+            model.erase(it);
+        }
+        // The same tree as one built from scratch with the same keys (inserts and erases
+        // leave no trace of their order).
+        radix_index fresh;
+        for (const auto& [k, id] : model) fresh.insert(k.first, k.second, id);
+        REQUIRE(fip_dump(ix) == fip_dump(fresh));
+    }
+    for (const auto& [k, id] : model) {
+        const auto* got = ix.find(k.first, k.second);
+        REQUIRE(got != nullptr);
+        CHECK(*got == id);
+    }
+    MESSAGE("radix_index: " << throws << " injected failures in inserts, " << model.size() << " entries left");
 }
