@@ -362,6 +362,17 @@ void fip_sweep_all(bool tight) {
             l.limit_tokens = 70;  // the two entries (41 + 25 tokens) fit; a third evicts
             w.slots.global_cache().set_limits(w.cache, l);
         });
+    fip_sweep<Cache, Store>("prompt_cache::set_limits evicting by the token limit", tight, true, [](world& w) {
+        prompt_cache_limits l;
+        l.limit_bytes = 0;
+        l.limit_tokens = 30;  // the two entries (41 + 25 tokens) do not fit: the older goes
+        w.slots.global_cache().set_limits(w.cache, l);
+        return std::string("ok");
+    });
+    fip_sweep<Cache, Store>("prompt_cache::clear", tight, true, [](world& w) {
+        w.slots.global_cache().clear(w.cache);
+        return std::string("ok");
+    });
     fip_sweep<Cache, Store>("prompt_cache::erase", tight, true, [](world& w) {
         auto& g = w.slots.global_cache();
         const auto id = g.ids().back();

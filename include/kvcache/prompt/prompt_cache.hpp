@@ -335,10 +335,17 @@ public:
     prompt_cache& operator=(const prompt_cache&) = delete;
 
     [[nodiscard]] const prompt_cache_limits& limits() const noexcept { return limits_; }
-    /// Changes the limits and evicts what no longer fits.
+    /// Changes the limits and evicts what no longer fits. Strong under std::bad_alloc (the
+    /// old limits stay).
     void set_limits(Cache& cache, prompt_cache_limits limits) {
+        const prompt_cache_limits old = limits_;
         limits_ = limits;
-        enforce_limits(cache);
+        try {
+            enforce_limits(cache);
+        } catch (...) {
+            limits_ = old;
+            throw;
+        }
     }
     [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
     [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
@@ -423,24 +430,27 @@ public:
         key_symbols(tokens, key_);
         if (index_.has_extension(opt.salt, key_)) {
             const std::optional<entry_id> ext = extension_of(opt.salt);
-            removal r;
-            undo u(store_, cache);
-            try {
-                release_phase1(cache, checkpoints);
-            } catch (...) {
-                u.rollback(cache, *this, r);
-                throw;
+            if (!checkpoints.empty()) {
+                removal r;
+                undo u(store_, cache);
+                try {
+                    release_phase1(cache, checkpoints);
+                } catch (...) {
+                    u.rollback(cache, *this, r);
+                    throw;
+                }
+                release_phase2(cache, checkpoints);
             }
-            release_phase2(cache, checkpoints);
             if (ext) update_stats(*ext, [&](entry_stats& s) { s.last_use = ++clock_; });
             ++metrics_.skipped;
             return std::nullopt;
         }
         // Phase 1: allocate and prepare; the store's changes are undone on a throw.
         removal r;
+        std::vector<entry_id> prefixes;
         for (const auto& [id, len] : index_.prefixes_of(opt.salt, key_))
-            if (!entries_.at(id).pinned) r.ids.push_back(id);
-        const std::size_t n_prefixes = r.ids.size();
+            if (!entries_.at(id).pinned) prefixes.push_back(id);
+        const std::size_t n_prefixes = prefixes.size();
         const entry_id id = next_id_;
         const std::uint64_t now = clock_ + 1;
         entry_map tmp;
@@ -452,11 +462,11 @@ public:
             o.emplace(Eviction::rank(fresh.mapped().stats), id);
             fresh_rank = o.extract(o.begin());
         }
-        r.ids.reserve(r.ids.size() + entries_.size() + 1);  // every entry at most: doom() cannot fail on it
+        r.ids.reserve(entries_.size() + 1);  // every entry at most: doom() cannot fail on it
         undo u(store_, cache);
         bool linked = false;  // the new entry is in entries_, order_ and the index
         try {
-            for (const entry_id victim : r.ids) release_phase1(cache, entries_.at(victim));
+            for (const entry_id victim : prefixes) doom(cache, r, victim, false);
             result<handle> h = store_.save(cache, seq);
             while (!h && h.code() == errc::no_space) {  // the store is full: evict and retry
                 const auto victim = next_victim(r);
@@ -636,7 +646,7 @@ public:
                 ++metrics_.load_failures;
                 return detail::make_error(got.code(), got.message());
             }
-            doom(cache, r, id, false);
+            doom(cache, r, id, false, false);  // the checkpoints move to the caller
         } catch (...) {
             u.rollback(cache, *this, r);
             throw;
@@ -696,6 +706,7 @@ public:
     /// entry (llama-server's update()). Pinned entries are never evicted. Strong under
     /// std::bad_alloc.
     void enforce_limits(Cache& cache) {
+        if (!exceeds_limits()) return;  // (no undo record to take)
         removal r;
         r.ids.reserve(entries_.size());
         undo u(store_, cache);
@@ -789,13 +800,15 @@ private:
 
     /// Phase 1 of releasing handles: undoable stores release copies (the record undoes it),
     /// stores whose release may throw release for good.
-    void release_phase1(Cache& cache, const entry& e) {
+    void release_phase1(Cache& cache, const entry& e, bool with_checkpoints) {
         if constexpr (!late_release) {
             release_phase1(cache, e.state);
-            for (const auto& ck : e.checkpoints) release_phase1(cache, ck.state);
+            if (with_checkpoints)
+                for (const auto& ck : e.checkpoints) release_phase1(cache, ck.state);
         }
         static_cast<void>(cache);
         static_cast<void>(e);
+        static_cast<void>(with_checkpoints);
     }
     void release_phase1(Cache& cache, std::vector<checkpoint>& cks) {
         if constexpr (undoable) {
@@ -824,11 +837,11 @@ private:
     }
 
     /// Phase 1 of removing entry id (r.ids has room for it): remembers its key when
-    /// evicted, releases its state (see release_phase1).
-    void doom(Cache& cache, removal& r, entry_id id, bool evicted) {
+    /// evicted, releases its state and checkpoints (see release_phase1).
+    void doom(Cache& cache, removal& r, entry_id id, bool evicted, bool with_checkpoints = true) {
         const entry& e = entries_.at(id);
         if (evicted) push_ghost(r, e);
-        release_phase1(cache, e);
+        release_phase1(cache, e, with_checkpoints);
         r.ids.push_back(id);  // within the reserved room
         r.bytes += e.bytes;
         r.tokens += e.n_tokens;
@@ -840,6 +853,21 @@ private:
         for (const auto& o : order_)
             if (!r.contains(o.second)) return o.second;
         return std::nullopt;
+    }
+
+    /// Whether a limit is exceeded (enforce_limits would evict, unless every entry is pinned).
+    [[nodiscard]] bool exceeds_limits() const noexcept {
+        if (entries_.size() <= 1) return false;
+        if (limits_.limit_bytes > 0 && bytes_ > limits_.limit_bytes) return true;
+        if (limits_.limit_tokens > 0) {
+            const double per_token = std::max(1.0, static_cast<double>(bytes_) / static_cast<double>(std::max<std::size_t>(1, tokens_)));
+            const std::size_t limit_now =
+                limits_.limit_bytes > 0
+                    ? std::max(limits_.limit_tokens, static_cast<std::size_t>(static_cast<double>(limits_.limit_bytes) / per_token))
+                    : limits_.limit_tokens;
+            return tokens_ > limit_now;
+        }
+        return false;
     }
 
     /// Phase 1 of enforce_limits: dooms entries in eviction order while a limit is exceeded
