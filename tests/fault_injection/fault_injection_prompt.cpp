@@ -362,6 +362,18 @@ void fip_sweep_all(bool tight) {
             l.limit_tokens = 70;  // the two entries (41 + 25 tokens) fit; a third evicts
             w.slots.global_cache().set_limits(w.cache, l);
         });
+    fip_sweep<Cache, Store>(
+        "prompt_cache::save of a longer prompt (its prefix entry is dropped)", tight, true,
+        [](world& w) {
+            const prompt_tokens longer = toy::cat(w.slots.tokens(1), toy::text(3, 9000));
+            auto r = w.slots.global_cache().save(w.cache, 1, longer);
+            fi::disarm();
+            return r ? "saved " + std::to_string(*r) : std::string("not saved");
+        },
+        [](world& w) {  // the host computes 3 more positions into slot 1's sequence
+            const prompt_tokens longer = toy::cat(w.slots.tokens(1), toy::text(3, 9000));
+            toy::fill(w.cache, 1, longer, w.slots.tokens(1).size(), longer.size());
+        });
     fip_sweep<Cache, Store>("prompt_cache::set_limits evicting by the token limit", tight, true, [](world& w) {
         prompt_cache_limits l;
         l.limit_bytes = 0;
