@@ -186,6 +186,15 @@ kvcache::model_shape llama_1b(std::uint32_t n_cells) {
     return s;
 }
 
+/// Places positions [0, n) of sequence 0 (K/V left as allocated).
+void place_seq0(llama_cache& cache, std::uint32_t n) {
+    std::vector<kvcache::pos_t> pos(n);
+    for (std::uint32_t i = 0; i < n; ++i) pos[i] = static_cast<kvcache::pos_t>(i);
+    std::vector<kvcache::seq_id_t> seq(n, 0);
+    static_cast<void>(cache.place(pos, seq).value());
+    static_cast<void>(cache.commit());
+}
+
 template <class Store>
 void prefix_hit_load(benchmark::State& state, Store store) {
     constexpr std::uint32_t n_tok = 2000;
@@ -193,11 +202,7 @@ void prefix_hit_load(benchmark::State& state, Store store) {
     kvcache::prompt_cache<llama_cache, Store> pc(kvcache::prompt_cache_limits{0, 0}, std::move(store));
     std::mt19937 rng(7);
     const kvcache::prompt_tokens p = random_tokens(rng, n_tok);
-    std::vector<kvcache::pos_t> pos(n_tok);
-    for (std::uint32_t i = 0; i < n_tok; ++i) pos[i] = static_cast<kvcache::pos_t>(i);
-    std::vector<kvcache::seq_id_t> seq(n_tok, 0);
-    static_cast<void>(cache.place(pos, seq).value());
-    static_cast<void>(cache.commit());
+    place_seq0(cache, n_tok);
     double load_s = 0;
     for (auto _ : state) {
         state.PauseTiming();
@@ -232,11 +237,7 @@ void prefix_save_shared(benchmark::State& state) {
     kvcache::prompt_cache<llama_cache, store_t> pc(kvcache::prompt_cache_limits{0, 0}, store_t(2, 2));
     std::mt19937 rng(11);
     const kvcache::prompt_tokens p = random_tokens(rng, n_tok);
-    std::vector<kvcache::pos_t> pos(n_tok);
-    for (std::uint32_t i = 0; i < n_tok; ++i) pos[i] = static_cast<kvcache::pos_t>(i);
-    std::vector<kvcache::seq_id_t> seq(n_tok, 0);
-    static_cast<void>(cache.place(pos, seq).value());
-    static_cast<void>(cache.commit());
+    place_seq0(cache, n_tok);
     double save_s = 0, undo_s = 0;
     for (auto _ : state) {
         const auto t0 = std::chrono::steady_clock::now();

@@ -431,14 +431,7 @@ public:
         if (index_.has_extension(opt.salt, key_)) {
             const std::optional<entry_id> ext = extension_of(opt.salt);
             if (!checkpoints.empty()) {
-                removal r;
-                undo u(store_, cache);
-                try {
-                    release_phase1(cache, checkpoints);
-                } catch (...) {
-                    u.rollback(cache, *this, r);
-                    throw;
-                }
+                two_phase(cache, 0, [&](removal&) { release_phase1(cache, checkpoints); });
                 release_phase2(cache, checkpoints);
             }
             if (ext) update_stats(*ext, [&](entry_stats& s) { s.last_use = ++clock_; });
@@ -707,16 +700,7 @@ public:
     /// std::bad_alloc.
     void enforce_limits(Cache& cache) {
         if (!exceeds_limits()) return;  // (no undo record to take)
-        removal r;
-        r.ids.reserve(entries_.size());
-        undo u(store_, cache);
-        try {
-            plan_limits(cache, r);
-        } catch (...) {
-            u.rollback(cache, *this, r);
-            throw;
-        }
-        commit(cache, r, 0);
+        two_phase(cache, entries_.size(), [&](removal& r) { plan_limits(cache, r); });
     }
 
     /// Calls f(handle) for the store handle of every entry eviction may remove (every
@@ -734,16 +718,7 @@ public:
     /// false if every entry is pinned (or none). Strong under std::bad_alloc.
     bool evict_one(Cache& cache) {
         if (order_.empty()) return false;
-        removal r;
-        r.ids.reserve(1);
-        undo u(store_, cache);
-        try {
-            doom(cache, r, order_.begin()->second, true);
-        } catch (...) {
-            u.rollback(cache, *this, r);
-            throw;
-        }
-        commit(cache, r, 0);
+        two_phase(cache, 1, [&](removal& r) { doom(cache, r, order_.begin()->second, true); });
         return true;
     }
 
@@ -901,10 +876,7 @@ private:
         for (const entry_id id : r.ids) {
             const auto it = entries_.find(id);
             entry& e = it->second;
-            index_.erase(e.where);
-            if (!e.pinned) order_.erase({Eviction::rank(e.stats), id});
-            bytes_ -= e.bytes;
-            tokens_ -= e.n_tokens;
+            detach(id, e);
             if constexpr (late_release) {
                 store_.release(cache, e.state);
                 for (auto& ck : e.checkpoints) store_.release(cache, ck.state);
@@ -919,11 +891,20 @@ private:
 
     /// Removes the entries ids (every one known) with the strong guarantee.
     void remove(Cache& cache, std::span<const entry_id> ids, bool evicted) {
+        two_phase(cache, ids.size(), [&](removal& r) {
+            for (const entry_id id : ids) doom(cache, r, id, evicted);
+        });
+    }
+
+    /// Runs phase1(r) (r has room for `room` ids) under the store's undo record, a throw
+    /// putting everything back, then commits r.
+    template <class F>
+    void two_phase(Cache& cache, std::size_t room, F&& phase1) {
         removal r;
-        r.ids.reserve(ids.size());
+        r.ids.reserve(room);
         undo u(store_, cache);
         try {
-            for (const entry_id id : ids) doom(cache, r, id, evicted);
+            phase1(r);
         } catch (...) {
             u.rollback(cache, *this, r);
             throw;
@@ -931,14 +912,19 @@ private:
         commit(cache, r, 0);
     }
 
-    /// Undoes the linking of save()'s new entry (never allocates).
-    void unlink_new(entry_id id) noexcept {
-        const auto it = entries_.find(id);
-        entry& e = it->second;
+    /// Takes entry e out of the index, the eviction order and the totals (never allocates).
+    void detach(entry_id id, const entry& e) noexcept {
         index_.erase(e.where);
         if (!e.pinned) order_.erase({Eviction::rank(e.stats), id});
         bytes_ -= e.bytes;
         tokens_ -= e.n_tokens;
+    }
+
+    /// Undoes the linking of save()'s new entry (never allocates).
+    void unlink_new(entry_id id) noexcept {
+        const auto it = entries_.find(id);
+        entry& e = it->second;
+        detach(id, e);
         e.checkpoints.clear();  // destroyed, not released: the store's undo record restores the cache
         entries_.erase(it);
     }
