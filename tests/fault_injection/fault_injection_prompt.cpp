@@ -48,6 +48,23 @@ std::uint64_t fip_hash(const void* data, std::size_t n, std::uint64_t h = 146959
     return h;
 }
 
+/// The raw K/V bytes of every cell of every layer, free cells included (one hash per layer and K / V).
+template <class Cache>
+std::string fip_raw(const Cache& cache) {
+    std::ostringstream os;
+    std::vector<typename Cache::storage_type> bytes;
+    for (std::uint32_t layer = 0; layer < cache.shape().n_layer; ++layer)
+        for (bool v : {false, true}) {
+            std::uint64_t h = 1469598103934665603ull;
+            for (std::uint32_t c = 0; c < cache.capacity(); ++c) {
+                cache.storage().cell_bytes(layer, c, v, bytes);
+                h = fip_hash(bytes.data(), bytes.size() * sizeof(bytes[0]), h);
+            }
+            os << "raw layer " << layer << (v ? " V " : " K ") << h << '\n';
+        }
+    return os.str();
+}
+
 /// Everything a host can observe of the cache, the slots and the global cache: the memory
 /// snapshot (metadata, indexes, occupied cells' K/V, block tables, refcounts), the raw K/V
 /// bytes of every cell (free ones too), every slot, the global cache's entries with their
@@ -57,18 +74,7 @@ template <class Cache, class Slots>
 std::string fip_observe(const Cache& cache, Slots& slots) {
     std::ostringstream os;
     for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
-    {
-        std::vector<typename Cache::storage_type> bytes;
-        for (std::uint32_t layer = 0; layer < cache.shape().n_layer; ++layer)
-            for (bool v : {false, true}) {
-                std::uint64_t h = 1469598103934665603ull;
-                for (std::uint32_t c = 0; c < cache.capacity(); ++c) {
-                    cache.storage().cell_bytes(layer, c, v, bytes);
-                    h = fip_hash(bytes.data(), bytes.size() * sizeof(bytes[0]), h);
-                }
-                os << "raw layer " << layer << (v ? " V " : " K ") << h << '\n';
-            }
-    }
+    os << fip_raw(cache);
     for (std::uint32_t i = 0; i < slots.n_slots(); ++i) {
         const int id = static_cast<int>(i);
         os << "slot " << i << (slots.busy(id) ? " busy" : " idle") << " ck " << slots.n_checkpoints(id) << " tokens";
@@ -486,4 +492,37 @@ TEST_CASE("fault injection: radix_index insert is complete or nothing, erase nev
         CHECK(*got == id);
     }
     MESSAGE("radix_index: " << throws << " injected failures in inserts, " << model.size() << " entries left");
+}
+
+TEST_CASE("fault injection: copy_store::load of a sequence holding a position twice is complete or nothing") {
+    contig_g cache(toy::shape(64, 4));
+    toy::fill(cache, 0, toy::text(8), 0, 8);
+    REQUIRE(cache.seq_div(0, 0, 8, 2));  // positions 0, 0, 1, 1, 2, 2, 3, 3: placed at stand-ins, then moved
+    copy_store<contig_g> st;
+    const auto h = st.save(cache, 0).value();
+    auto observe = [&] {
+        std::ostringstream os;
+        for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
+        return os.str() + fip_raw(cache);
+    };
+    const std::string before = observe();
+    long throws = 0;
+    for (long n = 1;; ++n) {
+        CAPTURE(n);
+        fi::arm(n);
+        try {
+            const bool ok = st.load(cache, 1, h).ok();
+            fi::disarm();
+            REQUIRE(ok);
+            break;
+        } catch (const std::bad_alloc&) {
+            fi::disarm();
+            ++throws;
+            REQUIRE(fip_first_diff(before, observe()) == "");  // K/V written after the last throwing step
+        }
+    }
+    CHECK(throws > 0);
+    CHECK(cache.cells().seq_cell_count(1) == 8);
+    CHECK(cache.seq_pos_max(1) == 3);
+    MESSAGE("copy_store::load (a position held twice): " << throws << " injected failures, each left the cache as it was");
 }
