@@ -389,6 +389,9 @@ public:
     /// ring pruned) the slot's state is dropped and the whole request is computed (n_past 0).
     /// Last, room is made for the positions left to compute by evicting shared_store entries
     /// and idle slot states, complete or nothing (see "Room" in the file comment).
+    /// Under std::bad_alloc: compound, not strong (the K-shift rotates K in place; invalid
+    /// states dropped, entries loaded or evicted before the throw stay so): each step is
+    /// complete or nothing and nothing is ever served wrong (see the file comment).
     [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
         if (request.empty()) detail::fail(errc::invalid_argument, "slot_manager::prepare: the request has no tokens");
