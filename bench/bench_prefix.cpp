@@ -186,6 +186,15 @@ kvcache::model_shape llama_1b(std::uint32_t n_cells) {
     return s;
 }
 
+/// Places positions [0, n) of sequence 0 (K/V left as allocated).
+void place_seq0(llama_cache& cache, std::uint32_t n) {
+    std::vector<kvcache::pos_t> pos(n);
+    for (std::uint32_t i = 0; i < n; ++i) pos[i] = static_cast<kvcache::pos_t>(i);
+    std::vector<kvcache::seq_id_t> seq(n, 0);
+    static_cast<void>(cache.place(pos, seq).value());
+    static_cast<void>(cache.commit());
+}
+
 template <class Store>
 void prefix_hit_load(benchmark::State& state, Store store) {
     constexpr std::uint32_t n_tok = 2000;
@@ -193,11 +202,7 @@ void prefix_hit_load(benchmark::State& state, Store store) {
     kvcache::prompt_cache<llama_cache, Store> pc(kvcache::prompt_cache_limits{0, 0}, std::move(store));
     std::mt19937 rng(7);
     const kvcache::prompt_tokens p = random_tokens(rng, n_tok);
-    std::vector<kvcache::pos_t> pos(n_tok);
-    for (std::uint32_t i = 0; i < n_tok; ++i) pos[i] = static_cast<kvcache::pos_t>(i);
-    std::vector<kvcache::seq_id_t> seq(n_tok, 0);
-    static_cast<void>(cache.place(pos, seq).value());
-    static_cast<void>(cache.commit());
+    place_seq0(cache, n_tok);
     double load_s = 0;
     for (auto _ : state) {
         state.PauseTiming();
@@ -220,6 +225,45 @@ void prefix_hit_load(benchmark::State& state, Store store) {
         state.counters["copy_bw_frac"] = achieved / kvcache::bench::measure_copy_bw(threads);
     }
 }
+// Saving a 1,000-token entry with shared_store into a 16K-cell cache (Llama-3.2-1B shape):
+// what the strong guarantee's undo record (a checkpoint of the cache, i.e. a copy of its
+// cell table, and of the store's free list) costs inside prompt_cache::save, timed in the
+// same run on the same cache state: undo_ms (one record) against save_ms (the whole save,
+// which takes one record), undo_frac = undo_ms / save_ms.
+void prefix_save_shared(benchmark::State& state) {
+    using store_t = kvcache::shared_store<llama_cache>;
+    constexpr std::uint32_t n_tok = 1000;
+    llama_cache cache(llama_1b(16384));
+    kvcache::prompt_cache<llama_cache, store_t> pc(kvcache::prompt_cache_limits{0, 0}, store_t(2, 2));
+    std::mt19937 rng(11);
+    const kvcache::prompt_tokens p = random_tokens(rng, n_tok);
+    place_seq0(cache, n_tok);
+    double save_s = 0, undo_s = 0;
+    for (auto _ : state) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const auto id = pc.save(cache, 0, p);
+        const auto t1 = std::chrono::steady_clock::now();
+        save_s += std::chrono::duration<double>(t1 - t0).count();
+        state.PauseTiming();
+        {
+            const auto u0 = std::chrono::steady_clock::now();
+            store_t::undo_record u;
+            pc.store().save_undo(cache, u);
+            benchmark::DoNotOptimize(u);
+            undo_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - u0).count();
+        }
+        pc.erase(cache, id.value());
+        state.ResumeTiming();
+    }
+    const auto n = static_cast<double>(state.iterations());
+    state.counters["save_ms"] = save_s * 1e3 / n;
+    state.counters["undo_ms"] = undo_s * 1e3 / n;
+    state.counters["undo_frac"] = undo_s / save_s;
+}
+BENCHMARK(prefix_save_shared)
+    ->Name("prefix_save/shared_store/tokens:1000/cells:16384/llama-3.2-1b-f16")
+    ->Unit(benchmark::kMillisecond);
+
 BENCHMARK_CAPTURE(prefix_hit_load, copy_store, kvcache::copy_store<llama_cache>{})
     ->Name("prefix_hit_load/copy_store/tokens:2000/llama-3.2-1b-f16")
     ->Unit(benchmark::kMillisecond);

@@ -4,22 +4,27 @@
 // operator new that throws std::bad_alloc at the N-th allocation, N = 1, 2, ... until it
 // completes, on the contiguous and the paged layout with copy_store and shared_store
 // entries.
-// Strong operations: after each throw everything a host can observe is as it was before
-// the call (the cache: cell metadata, indexes, K/V bytes, block tables; every slot: tokens,
-// busy, checkpoints; the global cache: entries, bytes, tokens; the cumulative metrics), and
-// the same call, run again, gives what it gives on an untouched twin.
-// Compound operations (prepare, release, prompt_cache::save, load, erase, evict_one:
-// documented in slots.hpp and prompt_cache.hpp):
-// after each throw nothing is served wrong: the cache is consistent, no slot was left
-// busy, every idle slot's tokens match its K/V exactly, every entry loads the K/V of its
-// tokens or is refused, and the next request is served exactly.
+// Strong operations (every one but prepare): after each throw everything is as it was
+// before the call (fip_observe: the cache's cell metadata, indexes, block tables,
+// refcounts and the raw K/V bytes of every cell, free ones too; every slot: tokens, busy,
+// checkpoints; the global cache: entries, their eviction stats and order, the radix
+// index node by node, the remembered evicted keys and their index, the store's free
+// sequence ids; every counter), and the same call, run again, gives what it gives on an
+// untouched twin.
+// prepare (compound: documented in slots.hpp): after each throw nothing is served wrong:
+// the cache is consistent, no slot was left busy, every idle slot's tokens match its K/V
+// exactly, every entry loads the K/V of its tokens or is refused, and the next request is
+// served exactly.
 #include <doctest/doctest.h>
 
 #include <kvcache/kvcache.hpp>
 #include <kvcache/layout/paged.hpp>
 
 #include <functional>
+#include <iterator>
+#include <map>
 #include <new>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -36,11 +41,40 @@ namespace {
 using contig_g = kv_cache<f32, contiguous<>, reuse::global<>>;
 using paged_g = kv_cache<f32, paged<32>, reuse::global<>>;
 
-/// Everything a host can observe of the cache, the slots and the global cache.
+/// FNV-1a over raw bytes.
+std::uint64_t fip_hash(const void* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+/// The raw K/V bytes of every cell of every layer, free cells included (one hash per layer and K / V).
+template <class Cache>
+std::string fip_raw(const Cache& cache) {
+    std::ostringstream os;
+    std::vector<typename Cache::storage_type> bytes;
+    for (std::uint32_t layer = 0; layer < cache.shape().n_layer; ++layer)
+        for (bool v : {false, true}) {
+            std::uint64_t h = 1469598103934665603ull;
+            for (std::uint32_t c = 0; c < cache.capacity(); ++c) {
+                cache.storage().cell_bytes(layer, c, v, bytes);
+                h = fip_hash(bytes.data(), bytes.size() * sizeof(bytes[0]), h);
+            }
+            os << "raw layer " << layer << (v ? " V " : " K ") << h << '\n';
+        }
+    return os.str();
+}
+
+/// Everything a host can observe of the cache, the slots and the global cache: the memory
+/// snapshot (metadata, indexes, occupied cells' K/V, block tables, refcounts), the raw K/V
+/// bytes of every cell (free ones too), every slot, the global cache's entries with their
+/// eviction stats and order, its radix index node by node, the remembered evicted keys and
+/// their index, the store's free sequence ids (shared_store) and every counter.
 template <class Cache, class Slots>
 std::string fip_observe(const Cache& cache, Slots& slots) {
     std::ostringstream os;
     for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
+    os << fip_raw(cache);
     for (std::uint32_t i = 0; i < slots.n_slots(); ++i) {
         const int id = static_cast<int>(i);
         os << "slot " << i << (slots.busy(id) ? " busy" : " idle") << " ck " << slots.n_checkpoints(id) << " tokens";
@@ -50,7 +84,36 @@ std::string fip_observe(const Cache& cache, Slots& slots) {
     auto& g = slots.global_cache();
     os << "global " << g.size() << " entries, " << g.bytes() << " bytes, " << g.n_tokens() << " tokens:";
     for (auto id : g.ids()) os << ' ' << id;
-    os << '\n' << to_prometheus(slots.metrics());
+    os << '\n';
+    for (auto id : g.ids()) {
+        const entry_stats* st = g.stats_of(id);
+        os << "entry " << id << " last_use " << st->last_use << " hits " << st->hits << " priority " << st->priority
+           << " tokens";
+        for (std::size_t t = 0; t < g.tokens_of(id)->size(); ++t) os << ' ' << (*g.tokens_of(id))[t];
+        os << '\n';
+    }
+    os << "eviction order:";
+    for (auto id : g.eviction_order()) os << ' ' << id;
+    os << '\n';
+    auto index = [&os](const char* tag, const radix_index& x) {
+        os << tag << ' ' << x.size() << " entries " << x.node_count() << " nodes\n";
+        x.for_each_node([&](std::uint64_t salt, std::uint32_t depth, std::span<const key_symbol> label,
+                            const radix_index::entry_id* e) {
+            os << tag << " node salt " << salt << " depth " << depth << " label " << fip_hash(label.data(), label.size_bytes())
+               << " entry " << (e ? std::to_string(*e) : std::string("-")) << '\n';
+        });
+    };
+    index("index", g.index());
+    index("evicted index", g.evicted_index());
+    g.for_each_evicted([&](std::uint64_t salt, std::span<const key_symbol> key) {
+        os << "evicted salt " << salt << " key " << key.size() << ' ' << fip_hash(key.data(), key.size_bytes()) << '\n';
+    });
+    if constexpr (requires { g.store().free_ids(); }) {
+        os << "store free:";
+        for (auto s : g.store().free_ids()) os << ' ' << s;
+        os << '\n';
+    }
+    os << to_prometheus(slots.metrics());
     return os.str();
 }
 
@@ -254,7 +317,7 @@ void fip_sweep_all(bool tight) {
             w.slots.commit_prompt(2);
         });
     fip_sweep<Cache, Store>(
-        "release (saves into the global cache)", tight, false,
+        "release (saves into the global cache)", tight, true,
         [](world& w) {
             w.slots.release(2);
             return std::string("ok");
@@ -263,30 +326,79 @@ void fip_sweep_all(bool tight) {
             prepared(w);
             w.slots.commit_prompt(2);
         });
+    fip_sweep<Cache, Store>(
+        "release with an uncommitted token (removed first)", tight, true,
+        [](world& w) {
+            w.slots.release(2);
+            return std::string("ok");
+        },
+        [prepared, fresh](world& w) {
+            prepared(w);
+            w.slots.commit_prompt(2);
+            prompt_tokens next = fresh;
+            next.push_back(90001);
+            toy::fill(w.cache, w.slots.seq_of(2), next, next.size() - 1, next.size());  // never appended
+        });
     fip_sweep<Cache, Store>("clear_slot", tight, true, [](world& w) {
         w.slots.clear_slot(0);
         return std::string("ok");
     });
-    fip_sweep<Cache, Store>("prompt_cache::load into an empty sequence", tight, false, [](world& w) {
+    fip_sweep<Cache, Store>("prompt_cache::load into an empty sequence", tight, true, [](world& w) {
         auto& g = w.slots.global_cache();
         const auto id = g.ids().front();
         auto r = g.load(w.cache, 8, id);
         fi::disarm();
         return fip_describe(r);
     });
-    fip_sweep<Cache, Store>("prompt_cache::save of slot 1's sequence", tight, false, [](world& w) {
+    fip_sweep<Cache, Store>("prompt_cache::save of slot 1's sequence", tight, true, [](world& w) {
         auto r = w.slots.global_cache().save(w.cache, 1, w.slots.tokens(1));
         fi::disarm();
         return r ? "saved " + std::to_string(*r) : std::string("not saved");
     });
-    fip_sweep<Cache, Store>("prompt_cache::erase", tight, false, [](world& w) {
+    fip_sweep<Cache, Store>(
+        "prompt_cache::save as a new tenant, evicting by the token limit", tight, true,
+        [](world& w) {
+            auto r = w.slots.global_cache().save(w.cache, 1, w.slots.tokens(1), {.salt = 7});
+            fi::disarm();
+            return r ? "saved " + std::to_string(*r) : std::string("not saved");
+        },
+        [](world& w) {
+            prompt_cache_limits l;
+            l.limit_bytes = 0;
+            l.limit_tokens = 70;  // the two entries (41 + 25 tokens) fit; a third evicts
+            w.slots.global_cache().set_limits(w.cache, l);
+        });
+    fip_sweep<Cache, Store>(
+        "prompt_cache::save of a longer prompt (its prefix entry is dropped)", tight, true,
+        [](world& w) {
+            const prompt_tokens longer = toy::cat(w.slots.tokens(1), toy::text(3, 9000));
+            auto r = w.slots.global_cache().save(w.cache, 1, longer);
+            fi::disarm();
+            return r ? "saved " + std::to_string(*r) : std::string("not saved");
+        },
+        [](world& w) {  // the host computes 3 more positions into slot 1's sequence
+            const prompt_tokens longer = toy::cat(w.slots.tokens(1), toy::text(3, 9000));
+            toy::fill(w.cache, 1, longer, w.slots.tokens(1).size(), longer.size());
+        });
+    fip_sweep<Cache, Store>("prompt_cache::set_limits evicting by the token limit", tight, true, [](world& w) {
+        prompt_cache_limits l;
+        l.limit_bytes = 0;
+        l.limit_tokens = 30;  // the two entries (41 + 25 tokens) do not fit: the older goes
+        w.slots.global_cache().set_limits(w.cache, l);
+        return std::string("ok");
+    });
+    fip_sweep<Cache, Store>("prompt_cache::clear", tight, true, [](world& w) {
+        w.slots.global_cache().clear(w.cache);
+        return std::string("ok");
+    });
+    fip_sweep<Cache, Store>("prompt_cache::erase", tight, true, [](world& w) {
         auto& g = w.slots.global_cache();
         const auto id = g.ids().back();
         const bool erased = g.erase(w.cache, id);
         fi::disarm();
         return std::string(erased ? "erased" : "kept");
     });
-    fip_sweep<Cache, Store>("prompt_cache::evict_one", tight, false, [](world& w) {
+    fip_sweep<Cache, Store>("prompt_cache::evict_one", tight, true, [](world& w) {
         const bool evicted = w.slots.global_cache().evict_one(w.cache);
         fi::disarm();
         return std::string(evicted ? "evicted" : "none");
@@ -298,7 +410,7 @@ void fip_sweep_all(bool tight) {
             fi::disarm();
             return std::to_string(n);
         },
-        [](world& w) { static_cast<void>(w.cache.seq_rm(0, 10, -1)); });
+        [](world& w) { static_cast<void>(w.cache.seq_rm(-1, 30, -1)); });  // every sequence: entries too
 }
 
 }  // namespace
@@ -311,4 +423,106 @@ TEST_CASE("fault injection: slots and prompt cache, paged, copy_store, no free b
 }
 TEST_CASE("fault injection: slots and prompt cache, paged, shared_store") {
     fip_sweep_all<paged_g, shared_store<paged_g>>(false);
+}
+
+namespace {
+/// The whole structure of an index: entries, nodes, every label symbol.
+std::string fip_dump(const radix_index& x) {
+    std::ostringstream os;
+    os << x.size() << " entries " << x.node_count() << " nodes\n";
+    x.for_each_node([&](std::uint64_t salt, std::uint32_t depth, std::span<const key_symbol> label,
+                        const radix_index::entry_id* e) {
+        os << salt << ' ' << depth << " [";
+        for (key_symbol k : label) os << ' ' << k;
+        os << " ] " << (e ? std::to_string(*e) : std::string("-")) << '\n';
+    });
+    return os.str();
+}
+}  // namespace
+
+TEST_CASE("fault injection: radix_index insert is complete or nothing, erase never allocates, the tree stays canonical") {
+    std::mt19937 rng(2511);
+    radix_index ix;
+    std::map<std::pair<std::uint64_t, std::vector<key_symbol>>, radix_index::entry_id> model;  // the reference
+    radix_index::entry_id next = 1;
+    long throws = 0;
+    for (int step = 0; step < 400; ++step) {
+        CAPTURE(step);
+        const std::uint64_t salt = rng() % 2;
+        std::vector<key_symbol> key(1 + rng() % 12);
+        for (auto& k : key) k = 1 + rng() % 3;  // a small alphabet: many shared prefixes, splits and merges
+        if (rng() % 3 != 0 || model.empty()) {
+            const std::string before = fip_dump(ix);
+            bool inserted = false;
+            for (long n = 1;; ++n) {
+                fi::arm(n);
+                try {
+                    inserted = ix.insert(salt, key, next);
+                    fi::disarm();
+                    break;
+                } catch (const std::bad_alloc&) {
+                    fi::disarm();
+                    ++throws;
+                    REQUIRE(fip_dump(ix) == before);
+                }
+            }
+            CHECK(inserted == !model.contains({salt, key}));
+            if (inserted) model.emplace(std::pair{salt, key}, next++);
+        } else {
+            auto it = model.begin();
+            std::advance(it, static_cast<long>(rng() % model.size()));
+            const long budget = 1000000;
+            fi::arm(budget);
+            const bool erased = ix.erase(it->first.first, it->first.second);
+            const long left = fi::countdown.load();
+            fi::disarm();
+            CHECK(erased);
+            CHECK(left == budget);  // no allocation
+            model.erase(it);
+        }
+        // The same tree as one built from scratch with the same keys (inserts and erases
+        // leave no trace of their order).
+        radix_index fresh;
+        for (const auto& [k, id] : model) fresh.insert(k.first, k.second, id);
+        REQUIRE(fip_dump(ix) == fip_dump(fresh));
+    }
+    for (const auto& [k, id] : model) {
+        const auto* got = ix.find(k.first, k.second);
+        REQUIRE(got != nullptr);
+        CHECK(*got == id);
+    }
+    MESSAGE("radix_index: " << throws << " injected failures in inserts, " << model.size() << " entries left");
+}
+
+TEST_CASE("fault injection: copy_store::load of a sequence holding a position twice is complete or nothing") {
+    contig_g cache(toy::shape(64, 4));
+    toy::fill(cache, 0, toy::text(8), 0, 8);
+    REQUIRE(cache.seq_div(0, 0, 8, 2));  // positions 0, 0, 1, 1, 2, 2, 3, 3: placed at stand-ins, then moved
+    copy_store<contig_g> st;
+    const auto h = st.save(cache, 0).value();
+    auto observe = [&] {
+        std::ostringstream os;
+        for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
+        return os.str() + fip_raw(cache);
+    };
+    const std::string before = observe();
+    long throws = 0;
+    for (long n = 1;; ++n) {
+        CAPTURE(n);
+        fi::arm(n);
+        try {
+            const bool ok = st.load(cache, 1, h).ok();
+            fi::disarm();
+            REQUIRE(ok);
+            break;
+        } catch (const std::bad_alloc&) {
+            fi::disarm();
+            ++throws;
+            REQUIRE(fip_first_diff(before, observe()) == "");  // K/V written after the last throwing step
+        }
+    }
+    CHECK(throws > 0);
+    CHECK(cache.cells().seq_cell_count(1) == 8);
+    CHECK(cache.seq_pos_max(1) == 3);
+    MESSAGE("copy_store::load (a position held twice): " << throws << " injected failures, each left the cache as it was");
 }

@@ -351,6 +351,27 @@ TEST_CASE("prompt_cache: shared_store shares cells instead of copying") {
     CHECK_THROWS_AS(store(-1, 2), kvcache::error);
 }
 
+TEST_CASE("prompt_cache: a loaded shared_store entry's checkpoints move to the caller, still valid") {
+    using store = kvcache::shared_store<cache_t>;
+    fixture<reuse::evict_lru, store> f(kvcache::prompt_cache_limits{0, 0}, store(8, 4));
+    const prompt_tokens p = toy::text(40);
+    toy::fill(f.cache, 0, p, 0, 20);
+    auto ck = f.pc.store().save(f.cache, 0);  // a checkpoint at 20 positions: a reserved sequence
+    REQUIRE(ck.ok());
+    toy::fill(f.cache, 0, p, 20, p.size());
+    std::vector<kvcache::swa_checkpoint<store::handle>> cks{{0, 19, ck.value()}};
+    const auto id = f.pc.save(f.cache, 0, p, {}, std::move(cks));
+    REQUIRE(id);
+    auto got = f.pc.load(f.cache, 1, *id);
+    REQUIRE(got.ok());
+    REQUIRE(got.value().checkpoints.size() == 1);
+    const auto& h = got.value().checkpoints[0].state;
+    CHECK(f.pc.store().valid(f.cache, h));  // not released by the load
+    CHECK(f.cache.seq_pos_max(h.seq) == 19);
+    CHECK(toy::max_error(f.cache, h.seq, p, 20) == 0.0);
+    CHECK(f.pc.store().n_free() == 3);  // the entry's own sequence went back, the checkpoint's did not
+}
+
 TEST_CASE("prompt_cache: state_store keeps io::save_seq bytes and loads them with io::load_seq") {
     using store = kvcache::state_store<cache_t>;
     fixture<reuse::evict_lru, store> f(kvcache::prompt_cache_limits{0, 0});

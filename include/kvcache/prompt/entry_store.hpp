@@ -35,6 +35,7 @@
 #include <string>     // messages
 #include <type_traits>  // std::is_const_v
 #include <utility>    // std::as_const
+#include <variant>    // std::monostate
 #include <vector>     // saved data
 
 #include "../detail/policy_select.hpp"
@@ -77,6 +78,34 @@ std::uint64_t seq_fingerprint(const M& m, seq_id_t s) {
 template <class S, class C>
 concept checks_entries = requires(const S& s, const C& c, const typename S::handle& h) {
     { s.valid(c, h) } -> std::convertible_to<bool>;
+};
+
+/// Whether store S undoes its own changes to the cache (shared_store): save_undo records
+/// the cache and the store (may throw, nothing changed), load_undo puts both back without
+/// allocating. The prompt cache runs its operations under such a record (strong guarantee).
+template <class S, class C>
+concept undoable_store = requires(S& s, C& c, typename S::undo_record& u) {
+    s.save_undo(c, u);
+    { s.load_undo(c, u) } noexcept;
+};
+/// S::undo_record when Undoable, else an empty type.
+template <class S, bool Undoable>
+struct undo_record_or {
+    using type = std::monostate;
+};
+template <class S>
+struct undo_record_or<S, true> {
+    using type = typename S::undo_record;
+};
+/// Cache::checkpoint (kv_cache, iswa_cache) when the memory has one, else an empty type.
+template <class C>
+struct checkpoint_or {
+    using type = std::monostate;
+};
+template <class C>
+    requires requires { typename C::checkpoint; }
+struct checkpoint_or<C> {
+    using type = typename C::checkpoint;
 };
 
 /// Cells of sequence s in increasing position order.
@@ -143,7 +172,8 @@ public:
 
     /// Places the saved cells into the empty sequence dst and writes their K/V back. A
     /// sequence holding a position in several cells (normal after seq_div) is restored as
-    /// saved. Throws transaction_open while the host has placements staged (loading commits
+    /// saved. Strong under std::bad_alloc: the K/V bytes are written after the last step
+    /// that can throw (the cache is bit-identical after a throw, free cells included). Throws transaction_open while the host has placements staged (loading commits
     /// its own placement, and must not commit the host's); error results, nothing changed:
     /// dst not empty (invalid_argument), malformed handle (shape_mismatch), no room (no_space).
     result<void> load(Cache& cache, seq_id_t dst, const handle& h) {
@@ -176,10 +206,31 @@ public:
             stand_in.resize(h.pos.size());
             for (std::size_t i = 0; i < stand_in.size(); ++i) stand_in[i] = static_cast<pos_t>(i);
         }
+        // A checkpoint for the position moves below (they allocate): taken before placing.
+        [[maybe_unused]] typename Cache::checkpoint cp;
+        if (repeated) cache.save_checkpoint(cp, detail::internal_access{});
         auto placed = cache.place(repeated ? std::span<const pos_t>(stand_in) : std::span<const pos_t>(h.pos),
                                   std::span<const seq_id_t>(seqs), std::span<const mrope_pos>(h.ext));
         if (!placed) return detail::make_error(placed.code(), "copy_store::load: " + placed.message());
         const auto& cells = placed.value().cells;
+        // Metadata first, K/V last: every step that can throw (a commit hook, the position
+        // moves) runs before the first byte is written, and a throw puts the cells back.
+        try {
+            static_cast<void>(cache.commit());
+        } catch (...) {
+            cache.restore();  // a commit hook threw: the placement is still staged
+            throw;
+        }
+        auto& table = cache.cells_for_update(detail::internal_access{});
+        if (repeated) {
+            try {
+                for (std::size_t i = 0; i < cells.size(); ++i) table.move_pos(cells[i], h.pos[i]);
+            } catch (...) {
+                cache.load_checkpoint(cp, detail::internal_access{});
+                throw;
+            }
+        }
+        for (std::size_t i = 0; i < cells.size(); ++i) table.set_shift(cells[i], h.shift[i]);
         const std::size_t per_layer = row * cells.size();
         const storage_type* in = h.data.data();
         const auto n_layer = static_cast<std::int64_t>(sh.n_layer);
@@ -187,12 +238,6 @@ public:
         for (std::int64_t l = 0; l < n_layer; ++l)
             transfer<false>(cache.storage().view(static_cast<std::uint32_t>(l)), cells,
                             in + static_cast<std::size_t>(l) * per_layer);
-        static_cast<void>(cache.commit());
-        auto& table = cache.cells_for_update(detail::internal_access{});
-        for (std::size_t i = 0; i < cells.size(); ++i) {
-            if (repeated) table.move_pos(cells[i], h.pos[i]);
-            table.set_shift(cells[i], h.shift[i]);
-        }
         return {};
     }
 
@@ -272,6 +317,7 @@ public:
 
     shared_store(seq_id_t first_seq, std::uint32_t n_seq) : first_(first_seq), n_(n_seq) {
         if (first_seq < 0) detail::fail(errc::invalid_argument, "shared_store: first_seq = " + std::to_string(first_seq) + ", must be >= 0");
+        free_.reserve(n_seq);  // release() pushes back within this room
         for (std::uint32_t i = n_seq; i > 0; --i) free_.push_back(first_seq + static_cast<seq_id_t>(i - 1));
     }
 
@@ -320,8 +366,33 @@ public:
         free_.push_back(h.seq);
         h.seq = -1;
     }
+    /// What undoes the store's changes to the cache and to itself (the prompt cache's
+    /// strong guarantee, detail::undoable_store): a checkpoint of the cache (cell table and
+    /// the layout's tables: save and release share and unshare cells, no K/V byte is
+    /// written) and a copy of the free list. Taking one copies the cell table: O(cells).
+    struct undo_record {
+        typename detail::checkpoint_or<Cache>::type cache{};
+        std::vector<seq_id_t> free;
+    };
+    /// Records the cache and the store (may throw std::bad_alloc; nothing changed then).
+    void save_undo(Cache& cache, undo_record& u) const
+        requires requires { typename Cache::checkpoint; }
+    {
+        cache.save_checkpoint(u.cache, detail::internal_access{});
+        u.free = free_;
+    }
+    /// Puts the cache and the store back as recorded (swaps: never allocates).
+    void load_undo(Cache& cache, undo_record& u) noexcept
+        requires requires { typename Cache::checkpoint; }
+    {
+        cache.load_checkpoint(u.cache, detail::internal_access{});
+        free_.swap(u.free);
+    }
+
     /// Reserved sequence ids not holding an entry.
     [[nodiscard]] std::size_t n_free() const noexcept { return free_.size(); }
+    /// Reserved sequence ids not holding an entry, the next one save() takes last.
+    [[nodiscard]] std::span<const seq_id_t> free_ids() const noexcept { return free_; }
     /// Whether sequence id s is reserved for entries.
     [[nodiscard]] bool reserves(seq_id_t s) const noexcept { return s >= first_ && std::int64_t{s} < std::int64_t{first_} + n_; }
 

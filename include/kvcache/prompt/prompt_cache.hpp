@@ -19,12 +19,18 @@
 // lookup) and by load().
 //
 // Allocation failure (std::bad_alloc; tests/fault_injection/fault_injection_prompt.cpp):
-// drop_invalid completes or changes nothing. save, load, erase and evict_one are compound:
-// when one throws, every entry is intact or never served again (a half-erased entry is out
-// of the index; a half-released shared_store one fails its check), nothing is served
-// wrong, and a load
-// may leave the entry's cells in the destination sequence as well (the caller empties it;
-// slot_manager does). Not yet strong: listed in the README's guarantee table.
+// every mutating operation (save, load, erase, evict_one, drop_invalid, clear,
+// enforce_limits, set_limits, set_pinned) completes or leaves the cache (metadata,
+// indexes, K/V bytes of every cell, block tables, refcounts), the store and the prompt
+// cache (entries, ids, radix index, eviction order and stats, remembered evicted keys,
+// counters) bit-identical. Each runs in two phases: first everything that allocates (new
+// nodes and set elements preallocated as node handles, the store's save or load, the
+// release of removed entries under the store's undo record: shared_store keeps a cache
+// checkpoint and a copy of its free list, restored by noexcept swaps; copy_store and
+// state_store release without throwing, in phase 2), then the removals and counters,
+// which never allocate (radix_index::erase is noexcept). Cost: a shared_store operation
+// copies the cell table once (O(cells)). A custom store whose release() may throw and
+// that has no undo record (detail::undoable_store) makes removals compound.
 //
 // Thread safety: not thread-safe. A prompt_cache, its store and the cache it works on are
 // one unit: use them from one thread at a time (an external mutex around every call,
@@ -32,7 +38,7 @@
 // independent.
 #pragma once
 
-#include <algorithm>      // std::max
+#include <algorithm>      // std::max, std::find
 #include <concepts>       // std::default_initializable
 #include <deque>          // evicted keys, oldest first
 #include <cstddef>        // std::size_t
@@ -42,7 +48,9 @@
 #include <span>           // labels
 #include <string>         // messages, Prometheus text
 #include <string_view>    // metric names
-#include <unordered_map>  // entries by id
+#include <map>            // entries by id (node handles: linked without allocating)
+#include <type_traits>    // std::conditional_t
+#include <variant>        // std::monostate
 #include <utility>        // std::move
 #include <vector>         // checkpoints, key scratch
 
@@ -327,10 +335,17 @@ public:
     prompt_cache& operator=(const prompt_cache&) = delete;
 
     [[nodiscard]] const prompt_cache_limits& limits() const noexcept { return limits_; }
-    /// Changes the limits and evicts what no longer fits.
+    /// Changes the limits and evicts what no longer fits. Strong under std::bad_alloc (the
+    /// old limits stay).
     void set_limits(Cache& cache, prompt_cache_limits limits) {
+        const prompt_cache_limits old = limits_;
         limits_ = limits;
-        enforce_limits(cache);
+        try {
+            enforce_limits(cache);
+        } catch (...) {
+            limits_ = old;
+            throw;
+        }
     }
     [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
     [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
@@ -358,6 +373,26 @@ public:
         return out;
     }
 
+    /// Unpinned entries in eviction order (the first is evicted next).
+    [[nodiscard]] std::vector<entry_id> eviction_order() const {
+        std::vector<entry_id> out;
+        out.reserve(order_.size());
+        for (const auto& o : order_) out.push_back(o.second);
+        return out;
+    }
+    /// What the eviction policy knows of entry id (nullptr if the id is unknown).
+    [[nodiscard]] const entry_stats* stats_of(entry_id id) const noexcept {
+        const auto it = entries_.find(id);
+        return it == entries_.end() ? nullptr : &it->second.stats;
+    }
+    /// Calls f(salt, key) for every remembered key of an evicted entry (evicted_lcp), oldest first.
+    template <class F>
+    void for_each_evicted(F&& f) const {
+        for (const auto& [salt, key] : ghost_order_) f(salt, std::span<const key_symbol>(key));
+    }
+    /// The radix index of the remembered evicted keys (ids unused).
+    [[nodiscard]] const radix_index& evicted_index() const noexcept { return ghost_; }
+
     /// Saves the state of sequence seq, which holds `tokens`, as a new entry (llama-server's
     /// prompt_save). Skipped (returns nullopt) if tokens is empty or an entry of the same
     /// tenant already starts with tokens; entries that are prefixes of tokens are dropped
@@ -368,6 +403,12 @@ public:
     /// tokens.size() - 1 (a 12-token key for a sequence holding positions 0..4 is refused);
     /// transaction_open while placements are staged. Both throw before anything changes
     /// (the checkpoints are released).
+    /// Strong under std::bad_alloc: runs in two phases, everything that allocates first
+    /// (the new entry, its index node, the remembered keys of evicted entries, the store's
+    /// save and the release of replaced and evicted entries under the store's undo record),
+    /// then the removals and counters without allocating. A throw leaves the cache, the
+    /// store and the prompt cache bit-identical (checkpoints passed in are then destroyed,
+    /// not released).
     std::optional<entry_id> save(Cache& cache, seq_id_t seq, const prompt_tokens& tokens,
                                  const entry_options& opt = {}, std::vector<checkpoint> checkpoints = {}) {
         if (cache.in_transaction()) {
@@ -388,37 +429,78 @@ public:
         }
         key_symbols(tokens, key_);
         if (index_.has_extension(opt.salt, key_)) {
-            touch_extension(opt.salt);
+            const std::optional<entry_id> ext = extension_of(opt.salt);
+            if (!checkpoints.empty()) {
+                two_phase(cache, 0, [&](removal&) { release_phase1(cache, checkpoints); });
+                release_phase2(cache, checkpoints);
+            }
+            if (ext) update_stats(*ext, [&](entry_stats& s) { s.last_use = ++clock_; });
             ++metrics_.skipped;
-            release_all(cache, checkpoints);
             return std::nullopt;
         }
-        for (const auto& [id, len] : index_.prefixes_of(opt.salt, key_)) {
-            if (entries_.at(id).pinned) continue;
-            ++metrics_.removed_prefixes;
-            erase(cache, id);
+        // Phase 1: allocate and prepare; the store's changes are undone on a throw.
+        removal r;
+        std::vector<entry_id> prefixes;
+        for (const auto& [id, len] : index_.prefixes_of(opt.salt, key_))
+            if (!entries_.at(id).pinned) prefixes.push_back(id);
+        const std::size_t n_prefixes = prefixes.size();
+        const entry_id id = next_id_;
+        const std::uint64_t now = clock_ + 1;
+        entry_map tmp;
+        tmp.emplace(id, entry{tokens, opt.salt, handle{}, {}, 0, {now, opt.hits, opt.priority}, opt.pinned, {}, tokens.size()});
+        typename entry_map::node_type fresh = tmp.extract(tmp.begin());
+        typename order_set::node_type fresh_rank;
+        if (!opt.pinned) {
+            order_set o;
+            o.emplace(Eviction::rank(fresh.mapped().stats), id);
+            fresh_rank = o.extract(o.begin());
         }
-        result<handle> h = store_.save(cache, seq);
-        while (!h && h.code() == errc::no_space && evict_one(cache)) h = store_.save(cache, seq);
-        if (!h) {
-            release_all(cache, checkpoints);
-            return std::nullopt;
+        r.ids.reserve(entries_.size() + 1);  // every entry at most: doom() cannot fail on it
+        undo u(store_, cache);
+        bool linked = false;  // the new entry is in entries_, order_ and the index
+        try {
+            for (const entry_id victim : prefixes) doom(cache, r, victim, false);
+            result<handle> h = store_.save(cache, seq);
+            while (!h && h.code() == errc::no_space) {  // the store is full: evict and retry
+                const auto victim = next_victim(r);
+                if (!victim) break;
+                doom(cache, r, *victim, true);
+                h = store_.save(cache, seq);
+            }
+            if (!h) {  // nothing stored: the replaced and evicted entries stay removed
+                release_phase1(cache, checkpoints);
+                commit(cache, r, n_prefixes);
+                release_phase2(cache, checkpoints);
+                return std::nullopt;
+            }
+            entry& e = fresh.mapped();
+            e.state = std::move(h).value();
+            e.checkpoints = std::move(checkpoints);
+            e.bytes = store_.bytes(cache, e.state);
+            for (const auto& ck : e.checkpoints) e.bytes += store_.bytes(cache, ck.state);
+            const bool inserted = index_.insert(opt.salt, key_, id, &e.where);
+            KVCACHE_ASSERT(inserted);
+            static_cast<void>(inserted);
+            // Linking moves node handles: no allocation.
+            bytes_ += e.bytes;
+            tokens_ += e.n_tokens;
+            entries_.insert(std::move(fresh));
+            if (!fresh_rank.empty()) order_.insert(std::move(fresh_rank));
+            linked = true;
+            plan_limits(cache, r);
+        } catch (...) {
+            if (linked) unlink_new(id);
+            else if (!fresh.empty() && fresh.mapped().where.valid()) index_.erase(fresh.mapped().where);
+            u.rollback(cache, *this, r);
+            throw;
         }
-        key_symbols(tokens, key_);  // erase() above reused the scratch
-        const entry_id id = next_id_++;
-        entry e{tokens, opt.salt, std::move(h).value(), std::move(checkpoints), 0, {++clock_, opt.hits, opt.priority}, opt.pinned};
-        e.bytes = store_.bytes(cache, e.state);
-        for (const auto& ck : e.checkpoints) e.bytes += store_.bytes(cache, ck.state);
-        const bool inserted = index_.insert(opt.salt, key_, id);
-        KVCACHE_ASSERT(inserted);
-        static_cast<void>(inserted);
-        bytes_ += e.bytes;
-        tokens_ += e.tokens.size();
-        auto& stored = entries_.emplace(id, std::move(e)).first->second;
-        if (!stored.pinned) order_.emplace(Eviction::rank(stored.stats), id);
+        // Phase 2: nothing below allocates.
+        next_id_ = id + 1;
+        clock_ = now;
         ++metrics_.inserts;
-        enforce_limits(cache);
-        if (!entries_.contains(id)) return std::nullopt;  // its own limits evicted it
+        const bool self_evicted = r.contains(id);
+        commit(cache, r, n_prefixes);
+        if (self_evicted) return std::nullopt;  // its own limits evicted it
         return id;
     }
 
@@ -458,10 +540,8 @@ public:
                     if (request != nullptr && e.salt == salt)
                         out.max_lcp = std::max(out.max_lcp, e.tokens.common_prefix(*request));
                 }
-            for (entry_id id : bad) {
-                ++metrics_.invalidated;
-                erase(cache, id);
-            }
+            if (!bad.empty()) remove(cache, bad, false);
+            metrics_.invalidated += bad.size();
             out.n = bad.size();
         } else {
             static_cast<void>(cache);
@@ -535,7 +615,8 @@ public:
     /// changes and `load_failures` counts it; an entry whose cells changed under it is
     /// dropped instead (invalid_cell result, counted in `invalidated`). Throws
     /// transaction_open while placements are staged: the host's staged placements are
-    /// never committed by a load.
+    /// never committed by a load. Strong under std::bad_alloc (the store's load is; the
+    /// entry's release runs under the store's undo record).
     result<loaded> load(Cache& cache, seq_id_t dst, entry_id id) {
         if (cache.in_transaction())
             detail::fail(errc::transaction_open, "prompt_cache::load: placements are staged; commit() or restore() first");
@@ -543,75 +624,83 @@ public:
         if (it == entries_.end())
             return detail::make_error(errc::invalid_argument, "prompt_cache::load: no entry with id " + std::to_string(id));
         if (!entry_valid(cache, it->second)) {
+            const entry_id bad[] = {id};
+            remove(cache, bad, false);
             ++metrics_.invalidated;
-            erase(cache, id);
             return detail::make_error(errc::invalid_cell, "prompt_cache::load: entry " + std::to_string(id) +
                                                               " was invalidated: the cache changed its cells");
         }
-        result<void> r = store_.load(cache, dst, it->second.state);
-        if (!r) {
-            ++metrics_.load_failures;
-            return detail::make_error(r.code(), r.message());
+        removal r;
+        r.ids.reserve(1);
+        undo u(store_, cache);
+        try {
+            result<void> got = store_.load(cache, dst, it->second.state);
+            if (!got) {
+                ++metrics_.load_failures;
+                return detail::make_error(got.code(), got.message());
+            }
+            doom(cache, r, id, false, false);  // the checkpoints move to the caller
+        } catch (...) {
+            u.rollback(cache, *this, r);
+            throw;
         }
         ++metrics_.hits;
         entry& e = it->second;
-        detach(id, e);
         loaded out{std::move(e.tokens), std::move(e.checkpoints), e.stats.hits + 1};
-        store_.release(cache, e.state);
-        entries_.erase(it);
+        commit(cache, r, 0);
         return out;
     }
 
-    /// Removes entry id (its state is released); returns false if unknown.
+    /// Removes entry id (its state is released); returns false if unknown. Strong under
+    /// std::bad_alloc.
     bool erase(Cache& cache, entry_id id) {
-        const auto it = entries_.find(id);
-        if (it == entries_.end()) return false;
-        entry& e = it->second;
-        detach(id, e);
-        store_.release(cache, e.state);
-        release_all(cache, e.checkpoints);
-        entries_.erase(it);
+        if (!entries_.contains(id)) return false;
+        const entry_id one[] = {id};
+        remove(cache, one, false);
         return true;
     }
 
-    /// Pins (never evicted) or unpins an entry; returns false if unknown.
+    /// Pins (never evicted) or unpins an entry (then enforces the limits); returns false if
+    /// unknown. Strong under std::bad_alloc.
     bool set_pinned(Cache& cache, entry_id id, bool pinned) {
         const auto it = entries_.find(id);
         if (it == entries_.end()) return false;
         if (it->second.pinned == pinned) return true;
-        it->second.pinned = pinned;
-        if (pinned)
+        if (pinned) {
             order_.erase({Eviction::rank(it->second.stats), id});
-        else
-            order_.emplace(Eviction::rank(it->second.stats), id);
-        enforce_limits(cache);
+            it->second.pinned = true;
+            return true;  // pinning evicts nothing
+        }
+        order_set o;
+        o.emplace(Eviction::rank(it->second.stats), id);
+        order_.insert(o.extract(o.begin()));
+        it->second.pinned = false;
+        try {
+            enforce_limits(cache);
+        } catch (...) {
+            order_.erase({Eviction::rank(it->second.stats), id});
+            it->second.pinned = true;
+            throw;
+        }
         return true;
     }
-    /// Sets an entry's priority (reuse::evict_priority); returns false if unknown.
-    bool set_priority(entry_id id, std::int32_t priority) {
+    /// Sets an entry's priority (reuse::evict_priority); returns false if unknown. Never allocates.
+    bool set_priority(entry_id id, std::int32_t priority) noexcept {
         return update_stats(id, [&](entry_stats& s) { s.priority = priority; });
     }
 
-    /// Removes every entry.
+    /// Removes every entry. Strong under std::bad_alloc.
     void clear(Cache& cache) {
-        for (entry_id id : ids()) erase(cache, id);
+        const std::vector<entry_id> all = ids();
+        remove(cache, all, false);
     }
 
     /// Evicts entries in eviction order while a limit is exceeded, keeping at least one
-    /// entry (llama-server's update()). Pinned entries are never evicted.
+    /// entry (llama-server's update()). Pinned entries are never evicted. Strong under
+    /// std::bad_alloc.
     void enforce_limits(Cache& cache) {
-        if (limits_.limit_bytes > 0)
-            while (entries_.size() > 1 && bytes_ > limits_.limit_bytes)
-                if (!evict_one(cache)) break;
-        if (limits_.limit_tokens > 0) {
-            const double per_token = std::max(1.0, static_cast<double>(bytes_) / static_cast<double>(std::max<std::size_t>(1, tokens_)));
-            const std::size_t limit_now =
-                limits_.limit_bytes > 0
-                    ? std::max(limits_.limit_tokens, static_cast<std::size_t>(static_cast<double>(limits_.limit_bytes) / per_token))
-                    : limits_.limit_tokens;
-            while (entries_.size() > 1 && tokens_ > limit_now)
-                if (!evict_one(cache)) break;
-        }
+        if (!exceeds_limits()) return;  // (no undo record to take)
+        two_phase(cache, entries_.size(), [&](removal& r) { plan_limits(cache, r); });
     }
 
     /// Calls f(handle) for the store handle of every entry eviction may remove (every
@@ -625,13 +714,11 @@ public:
         }
     }
 
-    /// Evicts the first entry in eviction order; false if every entry is pinned (or none).
+    /// Evicts the first entry in eviction order (its key is remembered for evicted_lcp);
+    /// false if every entry is pinned (or none). Strong under std::bad_alloc.
     bool evict_one(Cache& cache) {
         if (order_.empty()) return false;
-        const entry_id victim = order_.begin()->second;
-        remember_evicted(entries_.at(victim));
-        erase(cache, victim);
-        ++metrics_.evictions;  // counted once it happened (erase may throw std::bad_alloc)
+        two_phase(cache, 1, [&](removal& r) { doom(cache, r, order_.begin()->second, true); });
         return true;
     }
 
@@ -644,15 +731,202 @@ private:
         std::size_t bytes = 0;  // store bytes of state + checkpoints
         entry_stats stats;
         bool pinned = false;
+        radix_index::position where;  // its node in index_
+        std::size_t n_tokens = 0;     // tokens.size() (load() moves the tokens out before the totals drop it)
+    };
+    using entry_map = std::map<entry_id, entry>;
+    using order_set = std::set<std::pair<eviction_rank, entry_id>>;
+
+    /// The stores that undo their own changes (shared_store: a cache checkpoint and a copy of
+    /// its free list) release entries in phase 1, on copies of the handles; the others
+    /// release in phase 2 when release() cannot throw (copy_store, state_store), else in
+    /// phase 1 for good (a custom store with a throwing release: not strong).
+    static constexpr bool undoable = detail::undoable_store<Store, Cache>;
+    static constexpr bool late_release =
+        !undoable && noexcept(std::declval<Store&>().release(std::declval<Cache&>(), std::declval<handle&>()));
+
+    /// What one operation removes, collected in phase 1 and done in commit().
+    struct removal {
+        std::vector<entry_id> ids;    // entries to drop (evicted ones last)
+        std::size_t n_evicted = 0;    // ids counted as evictions
+        std::size_t n_ghost = 0;      // keys pushed to the evicted-key memory (undone on a throw)
+        std::size_t bytes = 0;        // totals of ids
+        std::size_t tokens = 0;
+        [[nodiscard]] bool contains(entry_id id) const noexcept {
+            return std::find(ids.begin(), ids.end(), id) != ids.end();
+        }
     };
 
-    /// Removes entry e from the index, the eviction order and the totals (not from entries_).
-    void detach(entry_id id, const entry& e) {
-        key_symbols(e.tokens, key_);
-        index_.erase(e.salt, key_);
+    /// The store's undo record for one operation (empty unless the store is undoable).
+    struct undo {
+        [[no_unique_address]] typename detail::undo_record_or<Store, undoable>::type rec{};
+        undo(Store& store, Cache& cache) {
+            if constexpr (undoable) store.save_undo(cache, rec);
+            static_cast<void>(store);
+            static_cast<void>(cache);
+        }
+        /// Puts back what phase 1 changed: the store and the cache, the evicted-key memory.
+        void rollback(Cache& cache, prompt_cache& pc, removal& r) noexcept {
+            pc.unpush_ghosts(r);
+            if constexpr (undoable) pc.store_.load_undo(cache, rec);
+            static_cast<void>(cache);
+        }
+    };
+
+    /// Phase 1 of releasing handles: undoable stores release copies (the record undoes it),
+    /// stores whose release may throw release for good.
+    void release_phase1(Cache& cache, const entry& e, bool with_checkpoints) {
+        if constexpr (!late_release) {
+            release_phase1(cache, e.state);
+            if (with_checkpoints)
+                for (const auto& ck : e.checkpoints) release_phase1(cache, ck.state);
+        }
+        static_cast<void>(cache);
+        static_cast<void>(e);
+        static_cast<void>(with_checkpoints);
+    }
+    void release_phase1(Cache& cache, std::vector<checkpoint>& cks) {
+        if constexpr (undoable) {
+            for (const auto& ck : cks) release_phase1(cache, ck.state);
+        } else if constexpr (!late_release) {
+            release_all(cache, cks);
+        }
+        static_cast<void>(cache);
+        static_cast<void>(cks);
+    }
+    void release_phase1(Cache& cache, const handle& h) {
+        if constexpr (undoable) {
+            static_assert(std::is_copy_constructible_v<handle>, "kvcache: an undoable store needs copyable handles");
+            handle copy = h;
+            store_.release(cache, copy);
+        } else if constexpr (!late_release) {
+            store_.release(cache, const_cast<handle&>(h));  // released for good (see late_release)
+        }
+    }
+    /// Phase 2: stores that release late release now (never throws).
+    void release_phase2(Cache& cache, std::vector<checkpoint>& cks) noexcept {
+        if constexpr (late_release)
+            for (auto& ck : cks) store_.release(cache, ck.state);
+        cks.clear();
+        static_cast<void>(cache);
+    }
+
+    /// Phase 1 of removing entry id (r.ids has room for it): remembers its key when
+    /// evicted, releases its state and checkpoints (see release_phase1).
+    void doom(Cache& cache, removal& r, entry_id id, bool evicted, bool with_checkpoints = true) {
+        const entry& e = entries_.at(id);
+        if (evicted) push_ghost(r, e);
+        release_phase1(cache, e, with_checkpoints);
+        r.ids.push_back(id);  // within the reserved room
+        r.bytes += e.bytes;
+        r.tokens += e.n_tokens;
+        if (evicted) ++r.n_evicted;
+    }
+
+    /// The first unpinned entry in eviction order not yet in r.
+    std::optional<entry_id> next_victim(const removal& r) const noexcept {
+        for (const auto& o : order_)
+            if (!r.contains(o.second)) return o.second;
+        return std::nullopt;
+    }
+
+    /// Whether a limit is exceeded (enforce_limits would evict, unless every entry is pinned).
+    [[nodiscard]] bool exceeds_limits() const noexcept {
+        if (entries_.size() <= 1) return false;
+        if (limits_.limit_bytes > 0 && bytes_ > limits_.limit_bytes) return true;
+        if (limits_.limit_tokens > 0) {
+            const double per_token = std::max(1.0, static_cast<double>(bytes_) / static_cast<double>(std::max<std::size_t>(1, tokens_)));
+            const std::size_t limit_now =
+                limits_.limit_bytes > 0
+                    ? std::max(limits_.limit_tokens, static_cast<std::size_t>(static_cast<double>(limits_.limit_bytes) / per_token))
+                    : limits_.limit_tokens;
+            return tokens_ > limit_now;
+        }
+        return false;
+    }
+
+    /// Phase 1 of enforce_limits: dooms entries in eviction order while a limit is exceeded
+    /// by what remains once r's entries are gone, keeping at least one entry.
+    void plan_limits(Cache& cache, removal& r) {
+        auto left = [&] { return entries_.size() - r.ids.size(); };
+        if (limits_.limit_bytes > 0)
+            while (left() > 1 && bytes_ - r.bytes > limits_.limit_bytes) {
+                const auto victim = next_victim(r);
+                if (!victim) break;
+                doom(cache, r, *victim, true);
+            }
+        if (limits_.limit_tokens > 0) {
+            const std::size_t b = bytes_ - r.bytes, t = tokens_ - r.tokens;
+            const double per_token = std::max(1.0, static_cast<double>(b) / static_cast<double>(std::max<std::size_t>(1, t)));
+            const std::size_t limit_now =
+                limits_.limit_bytes > 0
+                    ? std::max(limits_.limit_tokens, static_cast<std::size_t>(static_cast<double>(limits_.limit_bytes) / per_token))
+                    : limits_.limit_tokens;
+            while (left() > 1 && tokens_ - r.tokens > limit_now) {
+                const auto victim = next_victim(r);
+                if (!victim) break;
+                doom(cache, r, *victim, true);
+            }
+        }
+    }
+
+    /// Phase 2: drops r's entries (index, eviction order, totals, late releases) and counts
+    /// them; the first n_prefixes as removed prefixes, the evicted ones as evictions.
+    void commit(Cache& cache, removal& r, std::size_t n_prefixes) noexcept {
+        for (const entry_id id : r.ids) {
+            const auto it = entries_.find(id);
+            entry& e = it->second;
+            detach(id, e);
+            if constexpr (late_release) {
+                store_.release(cache, e.state);
+                for (auto& ck : e.checkpoints) store_.release(cache, ck.state);
+            }
+            entries_.erase(it);
+        }
+        metrics_.removed_prefixes += n_prefixes;
+        metrics_.evictions += r.n_evicted;
+        trim_ghosts();
+        static_cast<void>(cache);
+    }
+
+    /// Removes the entries ids (every one known) with the strong guarantee.
+    void remove(Cache& cache, std::span<const entry_id> ids, bool evicted) {
+        two_phase(cache, ids.size(), [&](removal& r) {
+            for (const entry_id id : ids) doom(cache, r, id, evicted);
+        });
+    }
+
+    /// Runs phase1(r) (r has room for `room` ids) under the store's undo record, a throw
+    /// putting everything back, then commits r.
+    template <class F>
+    void two_phase(Cache& cache, std::size_t room, F&& phase1) {
+        removal r;
+        r.ids.reserve(room);
+        undo u(store_, cache);
+        try {
+            phase1(r);
+        } catch (...) {
+            u.rollback(cache, *this, r);
+            throw;
+        }
+        commit(cache, r, 0);
+    }
+
+    /// Takes entry e out of the index, the eviction order and the totals (never allocates).
+    void detach(entry_id id, const entry& e) noexcept {
+        index_.erase(e.where);
         if (!e.pinned) order_.erase({Eviction::rank(e.stats), id});
         bytes_ -= e.bytes;
-        tokens_ -= e.tokens.size();
+        tokens_ -= e.n_tokens;
+    }
+
+    /// Undoes the linking of save()'s new entry (never allocates).
+    void unlink_new(entry_id id) noexcept {
+        const auto it = entries_.find(id);
+        entry& e = it->second;
+        detach(id, e);
+        e.checkpoints.clear();  // destroyed, not released: the store's undo record restores the cache
+        entries_.erase(it);
     }
 
     bool entry_valid(const Cache& cache, const entry& e) const {
@@ -666,14 +940,32 @@ private:
         return true;
     }
 
-    /// Keeps the key of an evicted entry for evicted_lcp (oldest forgotten first).
-    void remember_evicted(const entry& e) {
+    /// Phase 1: remembers the key of an evicted entry for evicted_lcp (complete or nothing;
+    /// unpush_ghosts undoes it, trim_ghosts forgets the oldest in phase 2).
+    void push_ghost(removal& r, const entry& e) {
         std::vector<key_symbol> key;
         key_symbols(e.tokens, key);
         if (key.size() > evicted_memory) return;
-        if (!ghost_.insert(e.salt, key, 0)) return;  // already remembered
-        ghost_symbols_ += key.size();
-        ghost_order_.emplace_back(e.salt, std::move(key));
+        radix_index::position at;
+        if (!ghost_.insert(e.salt, key, 0, &at)) return;  // already remembered
+        try {
+            ghost_order_.emplace_back(e.salt, std::move(key));
+        } catch (...) {
+            ghost_.erase(at);
+            throw;
+        }
+        ghost_symbols_ += ghost_order_.back().second.size();
+        ++r.n_ghost;
+    }
+    void unpush_ghosts(removal& r) noexcept {
+        for (; r.n_ghost > 0; --r.n_ghost) {
+            auto& [salt, k] = ghost_order_.back();
+            ghost_.erase(salt, k);
+            ghost_symbols_ -= k.size();
+            ghost_order_.pop_back();
+        }
+    }
+    void trim_ghosts() noexcept {
         while (ghost_symbols_ > evicted_memory) {
             auto& [salt, k] = ghost_order_.front();
             ghost_.erase(salt, k);
@@ -691,22 +983,30 @@ private:
         return f_keep >= min_f_keep && f_keep > fk_slot && sim > sim_slot;
     }
 
+    /// Changes an entry's stats, moving its element of the eviction order (never allocates).
     template <class F>
-    bool update_stats(entry_id id, F f) {
+    bool update_stats(entry_id id, F f) noexcept {
         const auto it = entries_.find(id);
         if (it == entries_.end()) return false;
-        if (!it->second.pinned) order_.erase({Eviction::rank(it->second.stats), id});
+        if (it->second.pinned) {
+            f(it->second.stats);
+            return true;
+        }
+        auto node = order_.extract({Eviction::rank(it->second.stats), id});
         f(it->second.stats);
-        if (!it->second.pinned) order_.emplace(Eviction::rank(it->second.stats), id);
+        node.value().first = Eviction::rank(it->second.stats);
+        order_.insert(std::move(node));
         return true;
     }
 
-    /// A save found an entry containing the prompt: that entry counts as used.
-    void touch_extension(std::uint64_t salt) {
+    /// The entry that contains the prompt in key_ (a save found it: it counts as used).
+    std::optional<entry_id> extension_of(std::uint64_t salt) const {
+        std::optional<entry_id> out;
         index_.candidates(salt, key_, [&](const radix_index::candidate& c) {
-            if (c.lcp == key_.size()) update_stats(c.id, [&](entry_stats& s) { s.last_use = ++clock_; });
+            if (c.lcp == key_.size()) out = c.id;
             return false;
         });
+        return out;
     }
 
     void release_all(Cache& cache, std::vector<checkpoint>& cks) {
@@ -717,14 +1017,14 @@ private:
     prompt_cache_limits limits_;
     Store store_;
     radix_index index_;                                  // (salt, key) -> id of every entry
-    std::unordered_map<entry_id, entry> entries_;         // every entry
-    std::set<std::pair<eviction_rank, entry_id>> order_;  // every unpinned entry, eviction order
-    std::size_t bytes_ = 0;                               // sum of entries' bytes
-    std::size_t tokens_ = 0;                              // sum of entries' token counts
-    std::uint64_t clock_ = 0;                             // logical time of inserts and hits
+    entry_map entries_;                                  // every entry, by id (ids() in increasing order)
+    order_set order_;                                    // every unpinned entry, eviction order
+    std::size_t bytes_ = 0;                              // sum of entries' bytes
+    std::size_t tokens_ = 0;                             // sum of entries' token counts
+    std::uint64_t clock_ = 0;                            // logical time of inserts and hits
     entry_id next_id_ = 1;
     prefix_cache_metrics metrics_;
-    std::vector<key_symbol> key_;  // scratch: key symbols of the prompt being saved or erased
+    std::vector<key_symbol> key_;  // scratch: key symbols of the prompt being saved
     radix_index ghost_;            // keys of recently evicted entries (id unused)
     std::deque<std::pair<std::uint64_t, std::vector<key_symbol>>> ghost_order_;  // (salt, key), oldest first
     std::size_t ghost_symbols_ = 0;  // symbols in ghost_order_

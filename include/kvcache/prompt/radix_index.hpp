@@ -12,14 +12,22 @@
 // symbols with the request (best f_keep = d / length for that d). Candidate
 // lookups never scan entries; insert and erase cost O(key length + path nodes
 // x log fan-out).
+//
+// Allocation failure: insert allocates every node, label and set element it needs
+// before its first change (complete or nothing); erase never allocates (noexcept). For
+// that, every node's label reserves the full length of the keys below it (its depth),
+// so that merging a node into its only child after an erase fits in the child's label:
+// the index holds at most about twice the key symbols of its entries (one full key per
+// leaf, at most one more per branching node).
 #pragma once
 
+#include <algorithm>      // std::min
 #include <cstddef>        // std::size_t
 #include <cstdint>        // fixed-width integers
 #include <limits>         // no-entry marker
+#include <map>            // children by first symbol, trees by salt (node handles: no allocation to link)
 #include <memory>         // std::unique_ptr
 #include <set>            // per-node child minima
-#include <unordered_map>  // children by first symbol, trees by salt
 #include <utility>        // std::pair
 #include <vector>         // labels
 
@@ -52,9 +60,12 @@ inline void key_symbols(const prompt_tokens& p, std::vector<key_symbol>& out) {
 }
 
 /// Radix tree from (salt, key) to an entry id; at most one entry per (salt, key).
+/// insert: complete or nothing under std::bad_alloc; erase and clear: noexcept.
 /// Thread safety: like a standard container: concurrent const calls (find, candidates,
 /// prefixes_of, has_extension) are safe; insert, erase and clear need exclusive access.
 class radix_index {
+    struct node;
+
 public:
     using entry_id = std::uint64_t;
     static constexpr std::uint32_t no_entry_len = std::numeric_limits<std::uint32_t>::max();
@@ -80,51 +91,119 @@ public:
         return &w.path.back()->entry;
     }
 
+    /// Where an entry is stored (insert's out parameter): valid until that entry is erased
+    /// or the index cleared; erase(position) removes it without the key.
+    class position {
+        friend class radix_index;
+
+    public:
+        /// Whether it was set by an insert.
+        [[nodiscard]] bool valid() const noexcept { return at_ != nullptr; }
+
+    private:
+        node* at_ = nullptr;
+        std::uint64_t salt_ = 0;
+    };
+
     /// Stores entry id at key; returns false (and changes nothing) if the key already has one.
-    bool insert(std::uint64_t salt, std::span<const key_symbol> key, entry_id id) {
-        auto& root = roots_[salt];
-        if (!root) {
-            root = std::make_unique<node>();
-            ++n_nodes_;
+    /// Allocates everything it needs before its first change: a std::bad_alloc leaves the
+    /// index as it was. With `where`, stores the entry's position there.
+    bool insert(std::uint64_t salt, std::span<const key_symbol> key, entry_id id, position* where = nullptr) {
+        // Phase 1: allocate (nothing changes).
+        tree_map::node_type new_root;
+        node* root = nullptr;
+        if (const auto r = roots_.find(salt); r != roots_.end()) {
+            root = r->second.get();
+        } else {
+            tree_map tmp;
+            tmp.emplace(salt, std::make_unique<node>());
+            new_root = tmp.extract(tmp.begin());
+            root = new_root.mapped().get();
         }
-        walk_result w = walk(*root, key);
+        const walk_result w = walk(*root, key);
         node* at = w.path.back();
-        if (w.partial != nullptr) at = split(*at, *w.partial, w.partial_len);
-        if (w.consumed < key.size()) {
-            auto leaf = std::make_unique<node>();
-            leaf->label.assign(key.begin() + static_cast<std::ptrdiff_t>(w.consumed), key.end());
-            leaf->parent = at;
-            leaf->depth = static_cast<std::uint32_t>(key.size());
-            node* raw = leaf.get();
-            at->children.emplace(leaf->label.front(), std::move(leaf));
-            ++n_nodes_;
-            at = raw;
-        } else if (at->has_entry) {
-            return false;
+        const bool need_leaf = w.consumed < key.size();
+        if (!need_leaf && w.partial == nullptr && at->has_entry) return false;
+        std::unique_ptr<node> mid;
+        child_map::node_type mid_link;  // mid's link to the split child
+        min_set::node_type mid_min;     // the split child's minimum in mid
+        if (w.partial != nullptr) {
+            node& c = *w.partial;
+            const std::uint32_t m = w.partial_len;
+            mid = std::make_unique<node>();
+            mid->label.reserve(at->depth + m);  // capacity >= depth (see the file comment)
+            mid->label.assign(c.label.begin(), c.label.begin() + m);
+            mid_link = make_link(c.label[m]);
+            mid_min = make_min(c.sub_min, c.label[m]);
         }
-        at->has_entry = true;
-        at->entry = id;
+        std::unique_ptr<node> leaf;
+        child_map::node_type leaf_link;
+        min_set::node_type leaf_min;
+        if (need_leaf) {
+            leaf = std::make_unique<node>();
+            leaf->label.reserve(key.size());
+            leaf->label.assign(key.begin() + static_cast<std::ptrdiff_t>(w.consumed), key.end());
+            leaf_link = make_link(leaf->label.front());
+            leaf_min = make_min(static_cast<std::uint32_t>(key.size()), leaf->label.front());
+        }
+        // Phase 2: link (no allocation: node handles, reserved labels).
+        if (!new_root.empty()) {
+            roots_.insert(std::move(new_root));
+            ++n_nodes_;
+        }
+        if (mid) at = split(*at, *w.partial, w.partial_len, std::move(mid), std::move(mid_link), std::move(mid_min));
+        if (leaf) {
+            node* raw = leaf.get();
+            raw->parent = at;
+            raw->depth = static_cast<std::uint32_t>(key.size());
+            raw->has_entry = true;
+            raw->entry = id;
+            raw->sub_min = raw->depth;
+            leaf_link.mapped() = std::move(leaf);
+            at->children.insert(std::move(leaf_link));
+            at->child_mins.insert(std::move(leaf_min));
+            ++n_nodes_;
+            refresh(at);
+            at = raw;
+        } else {
+            at->has_entry = true;
+            at->entry = id;
+            refresh(at);
+        }
         ++n_entries_;
-        refresh(at);
+        if (where != nullptr) {
+            where->at_ = at;
+            where->salt_ = salt;
+        }
         return true;
     }
 
-    /// Removes the entry at key; returns false if there is none.
-    bool erase(std::uint64_t salt, std::span<const key_symbol> key) {
+    /// Removes the entry at key; returns false if there is none. Never allocates.
+    bool erase(std::uint64_t salt, std::span<const key_symbol> key) noexcept {
         const auto r = roots_.find(salt);
         if (r == roots_.end()) return false;
-        walk_result w = walk(*r->second, key);
-        if (w.consumed != key.size() || w.partial != nullptr || !w.path.back()->has_entry) return false;
-        node* n = w.path.back();
+        node* n = locate(*r->second, key);
+        if (n == nullptr || !n->has_entry) return false;
+        position p;
+        p.at_ = n;
+        p.salt_ = salt;
+        erase(p);
+        return true;
+    }
+    /// Removes the entry stored at p (from insert; the entry must still be there). Never allocates.
+    void erase(position p) noexcept {
+        node* n = p.at_;
+        KVCACHE_ASSERT(n != nullptr && n->has_entry);
         n->has_entry = false;
         --n_entries_;
         refresh(n);
         prune(n);
+        const auto r = roots_.find(p.salt_);
+        KVCACHE_ASSERT(r != roots_.end());
         if (r->second->children.empty() && !r->second->has_entry) {
             roots_.erase(r);
             --n_nodes_;
         }
-        return true;
     }
 
     /// Entries whose keys are prefixes of key (key itself included), as (id, length).
@@ -186,6 +265,15 @@ public:
         }
     }
 
+    /// Calls f(salt, depth, label, entry) for every node: trees by increasing salt, each in
+    /// pre-order with children by increasing first symbol; entry is nullptr for a node
+    /// without one (a root's label is empty). A comparable picture of the structure, for
+    /// tests and tools.
+    template <class F>
+    void for_each_node(F&& f) const {
+        for (const auto& [salt, root] : roots_) visit_node(salt, *root, f);
+    }
+
     /// Removes every entry.
     void clear() noexcept {
         roots_.clear();
@@ -200,12 +288,45 @@ private:
         std::uint32_t depth = 0;        // symbols from the root to the end of this node
         bool has_entry = false;
         entry_id entry = 0;             // valid when has_entry
-        std::unordered_map<key_symbol, std::unique_ptr<node>> children;  // by first label symbol
+        std::map<key_symbol, std::unique_ptr<node>> children;  // by first label symbol
         // Shortest entry length in this subtree; no_entry_len when it holds none. Every
         // non-root node holds an entry in its subtree (empty leaves are pruned).
         std::uint32_t sub_min = no_entry_len;
         std::set<std::pair<std::uint32_t, key_symbol>> child_mins;  // (child sub_min, child first symbol)
     };
+
+    using child_map = std::map<key_symbol, std::unique_ptr<node>>;
+    using tree_map = std::map<std::uint64_t, std::unique_ptr<node>>;
+    using min_set = std::set<std::pair<std::uint32_t, key_symbol>>;
+
+    /// A detached link (first symbol -> empty child) to insert later without allocating.
+    static child_map::node_type make_link(key_symbol first) {
+        child_map tmp;
+        tmp.emplace(first, nullptr);
+        return tmp.extract(tmp.begin());
+    }
+    static min_set::node_type make_min(std::uint32_t len, key_symbol first) {
+        min_set tmp;
+        tmp.emplace(len, first);
+        return tmp.extract(tmp.begin());
+    }
+
+    /// The node whose path from root spells exactly key, or nullptr. Never allocates.
+    static node* locate(node& root, std::span<const key_symbol> key) noexcept {
+        node* n = &root;
+        std::size_t i = 0;
+        while (i < key.size()) {
+            const auto it = n->children.find(key[i]);
+            if (it == n->children.end()) return nullptr;
+            node* c = it->second.get();
+            if (c->label.size() > key.size() - i) return nullptr;
+            for (std::size_t m = 1; m < c->label.size(); ++m)
+                if (c->label[m] != key[i + m]) return nullptr;
+            i += c->label.size();
+            n = c;
+        }
+        return n;
+    }
 
     struct walk_result {
         std::vector<node*> path;     // fully matched nodes from the root
@@ -239,27 +360,30 @@ private:
         return w;
     }
 
-    /// Splits child c of p after m label symbols; returns the new middle node.
-    node* split(node& p, node& c, std::uint32_t m) {
-        auto mid = std::make_unique<node>();
-        mid->label.assign(c.label.begin(), c.label.begin() + m);
+    /// Splits child c of p after m label symbols with the preallocated middle node (its
+    /// label set), its link to c and c's minimum; returns the middle node. Never allocates.
+    node* split(node& p, node& c, std::uint32_t m, std::unique_ptr<node> mid, child_map::node_type link,
+                min_set::node_type c_min) noexcept {
         mid->parent = &p;
         mid->depth = p.depth + m;
         mid->sub_min = c.sub_min;
         const key_symbol first = c.label.front();
-        std::unique_ptr<node> owned = std::move(p.children.at(first));
+        std::unique_ptr<node>& slot = p.children.at(first);
+        std::unique_ptr<node> owned = std::move(slot);
         c.label.erase(c.label.begin(), c.label.begin() + m);
         c.parent = mid.get();
-        if (c.sub_min != no_entry_len) mid->child_mins.emplace(c.sub_min, c.label.front());
-        mid->children.emplace(c.label.front(), std::move(owned));
+        link.mapped() = std::move(owned);
+        mid->children.insert(std::move(link));
+        if (c.sub_min != no_entry_len) mid->child_mins.insert(std::move(c_min));
         node* raw = mid.get();
-        p.children.at(first) = std::move(mid);
+        slot = std::move(mid);  // p's minimum for `first` is unchanged (mid's sub_min is c's)
         ++n_nodes_;
         return raw;
     }
 
     /// Recomputes sub_min of n and its ancestors after n's entry or children changed.
-    static void refresh(node* n) {
+    /// Moves the parents' set elements (extract / insert): never allocates.
+    static void refresh(node* n) noexcept {
         while (n != nullptr) {
             const std::uint32_t now =
                 n->has_entry ? n->depth : (n->child_mins.empty() ? no_entry_len : n->child_mins.begin()->first);
@@ -267,16 +391,22 @@ private:
             node* p = n->parent;
             if (p != nullptr) {
                 const key_symbol first = n->label.front();
-                if (n->sub_min != no_entry_len) p->child_mins.erase({n->sub_min, first});
-                if (now != no_entry_len) p->child_mins.emplace(now, first);
+                // A non-root node always had an entry below it, so its element exists.
+                auto e = p->child_mins.extract({n->sub_min, first});
+                KVCACHE_ASSERT(!e.empty());
+                if (now != no_entry_len) {
+                    e.value().first = now;
+                    p->child_mins.insert(std::move(e));
+                }
             }
             n->sub_min = now;
             n = p;
         }
     }
 
-    /// Removes n if it became an empty leaf and merges single-child nodes without an entry.
-    void prune(node* n) {
+    /// Removes n if it became an empty leaf and merges a node left without an entry and
+    /// with one child into that child (the child's label reserves room for it). Never allocates.
+    void prune(node* n) noexcept {
         while (n->parent != nullptr && !n->has_entry && n->children.empty()) {
             node* p = n->parent;
             p->children.erase(n->label.front());
@@ -284,17 +414,21 @@ private:
             n = p;
         }
         if (n->parent != nullptr && !n->has_entry && n->children.size() == 1) {
-            std::unique_ptr<node> c = std::move(n->children.begin()->second);
-            n->children.clear();
-            n->label.insert(n->label.end(), c->label.begin(), c->label.end());
-            n->depth = c->depth;
-            n->has_entry = c->has_entry;
-            n->entry = c->entry;
-            n->children = std::move(c->children);
-            for (auto& [sym, gc] : n->children) gc->parent = n;
-            n->child_mins = std::move(c->child_mins);
+            node* c = n->children.begin()->second.get();
+            KVCACHE_ASSERT(c->label.capacity() >= n->label.size() + c->label.size());
+            c->label.insert(c->label.begin(), n->label.begin(), n->label.end());  // within capacity
+            c->parent = n->parent;
+            // n's minimum in its parent is c's (n holds no entry): the element stays.
+            std::unique_ptr<node> keep = std::move(n->children.begin()->second);
+            n->parent->children.at(c->label.front()) = std::move(keep);  // destroys n
             --n_nodes_;
         }
+    }
+
+    template <class F>
+    static void visit_node(std::uint64_t salt, const node& n, F& f) {
+        f(salt, n.depth, std::span<const key_symbol>(n.label), n.has_entry ? &n.entry : nullptr);
+        for (const auto& [sym, c] : n.children) visit_node(salt, *c, f);
     }
 
     /// Id of an entry of length n.sub_min in n's subtree.
@@ -304,7 +438,7 @@ private:
         return n->entry;
     }
 
-    std::unordered_map<std::uint64_t, std::unique_ptr<node>> roots_;  // one tree per salt
+    tree_map roots_;  // one tree per salt
     std::size_t n_entries_ = 0;
     std::size_t n_nodes_ = 0;  // every node of every tree, roots included
 };

@@ -40,12 +40,15 @@
 // One scrape text with both counter sets: to_prometheus_all().
 //
 // Allocation failure (std::bad_alloc; tests/fault_injection/fault_injection_prompt.cpp):
-// commit_prompt, append, save_checkpoint and clear_slot complete or change nothing.
-// prepare and release are sequences of such steps: when one throws, nothing is ever
-// served wrong: the cache stays consistent, no slot is left busy by prepare (release
-// leaves its slot busy, holding exactly its tokens, and may be called again), every idle
-// slot's tokens are what its sequence holds (the slot being prepared forgets its tokens,
-// so the next prepare recomputes) and every global entry is intact or gone.
+// commit_prompt, append, save_checkpoint and clear_slot complete or change nothing;
+// release too (the uncommitted positions it removes are put back from a cache
+// checkpoint, the global save is strong), except when it has to drop the slot's state
+// (the host changed the slot's cells): then it is compound, the slot stays busy holding
+// nothing that can be served, and release() can be called again. prepare is a sequence
+// of such steps: when one throws, nothing is ever served wrong: the cache stays
+// consistent, no slot is left busy, every idle slot's tokens are what its sequence holds
+// (the slot being prepared forgets its tokens, so the next prepare recomputes) and every
+// global entry is intact (a load that threw left it in the cache).
 //
 // Recurrent and hybrid memories (recurrent_memory, hybrid_memory<A>): a recurrent state
 // cannot be rolled back, so a prefix shorter than what the slot (or entry) holds is served
@@ -396,6 +399,9 @@ public:
     /// ring pruned) the slot's state is dropped and the whole request is computed (n_past 0).
     /// Last, room is made for the positions left to compute by evicting shared_store entries
     /// and idle slot states, complete or nothing (see "Room" in the file comment).
+    /// Under std::bad_alloc: compound, not strong (the K-shift rotates K in place; invalid
+    /// states dropped, entries loaded or evicted before the throw stay so): each step is
+    /// complete or nothing and nothing is ever served wrong (see the file comment).
     [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
         if (request.empty()) detail::fail(errc::invalid_argument, "slot_manager::prepare: the request has no tokens");
@@ -667,6 +673,12 @@ public:
     /// sequence holds exactly tokens(slot); when the layout refuses that truncation (a ring
     /// whose window pruned the positions the next token would need) the slot's state is
     /// dropped instead. Throws transaction_open if placements are staged.
+    /// Under std::bad_alloc: bit-identical (the slot stays busy, the removed uncommitted
+    /// positions are put back from a cache checkpoint, the global save is strong; call
+    /// release() again), except when the slot's state had to be dropped (the host changed
+    /// the slot's cells, or the layout refused the truncation): then compound, the slot
+    /// stays busy holding nothing that can be served. On a memory without checkpoints
+    /// (recurrent_memory, hybrid_memory) removed uncommitted positions stay removed.
     void release(int slot_id) {
         slot& s = slots_[check_slot("release", slot_id)];
         if (!s.busy) return;
@@ -674,20 +686,42 @@ public:
             detail::fail(errc::transaction_open, "slot_manager::release: placements are staged; commit() or restore() first");
         const seq_id_t seq = opt_.first_seq + slot_id;
         const bool changed = s.generation != detail::seq_fingerprint(*cache_, seq);  // since the last commit_prompt / append
-        if (cache_->seq_pos_max(seq) >= static_cast<pos_t>(s.tokens.size()))
-            if (!cache_->seq_rm(seq, static_cast<pos_t>(s.tokens.size()), -1)) drop_state(s, seq);
-        if (changed && !holds_exactly(seq, s.tokens.size())) {  // the host changed more than uncommitted positions
-            if (!s.tokens.empty()) ++counters_.slot_states_invalidated;
-            drop_state(s, seq);
-        }
-        if constexpr (uses_global) {
-            if (s.opts.cache_prompt && !s.tokens.empty()) {
-                std::vector<checkpoint> cks;
-                if constexpr (std::is_copy_constructible_v<typename Store::handle> && copyable_handles)
-                    cks = s.checkpoints;
-                global_->save(*cache_, seq, s.tokens,
-                              {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
+        // Undo record of the uncommitted positions removed below: a throw afterwards (the
+        // global save, std::bad_alloc) puts them back (a cache checkpoint; no K/V byte is
+        // written by the removal), unless the slot's state had to be dropped (compound).
+        constexpr bool can_undo = requires { typename Cache::checkpoint; };
+        [[maybe_unused]] typename detail::checkpoint_or<Cache>::type cp{};
+        bool undo = false;
+        bool dropped = false;
+        try {
+            if (cache_->seq_pos_max(seq) >= static_cast<pos_t>(s.tokens.size())) {
+                if constexpr (can_undo) {
+                    cache_->save_checkpoint(cp, detail::internal_access{});
+                    undo = true;
+                }
+                if (!cache_->seq_rm(seq, static_cast<pos_t>(s.tokens.size()), -1)) {
+                    dropped = true;
+                    drop_state(s, seq);
+                }
             }
+            if (changed && !holds_exactly(seq, s.tokens.size())) {  // the host changed more than uncommitted positions
+                if (!s.tokens.empty()) ++counters_.slot_states_invalidated;
+                dropped = true;
+                drop_state(s, seq);
+            }
+            if constexpr (uses_global) {
+                if (s.opts.cache_prompt && !s.tokens.empty()) {
+                    std::vector<checkpoint> cks;
+                    if constexpr (std::is_copy_constructible_v<typename Store::handle> && copyable_handles)
+                        cks = s.checkpoints;
+                    global_->save(*cache_, seq, s.tokens,
+                                  {s.salt, s.opts.priority, s.opts.pin, s.hits}, std::move(cks));
+                }
+            }
+        } catch (...) {
+            if constexpr (can_undo)
+                if (undo && !dropped) cache_->load_checkpoint(cp, detail::internal_access{});
+            throw;
         }
         // The storage tiers (attach_tiers) after the global save; best effort. The queued
         // promotions first (prepare's deferred ones): a failure is counted, never thrown.
