@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
             const demo::hybrid::hybrid_weights hw = demo::hybrid::make_hybrid_model(w.config, 4, o.seed);
             demo::scenarios::text_source text(tok, o.seed + 1);
             demo::hybrid::hybrid_runner<demo::scenarios::text_source> runner(hw, text, static_cast<std::size_t>(o.base_tokens),
-                                                                          o.timing);
+                                                                          o.timing, o.strict_timing);
             rows = runner.run();
             for (const demo::report::row& x : rows) ok = ok && x.pass;
         } else if (o.ttft) {
@@ -190,6 +190,14 @@ int main(int argc, char** argv) {
             std::printf("\nrows written to %s\n", o.json.c_str());
         }
     }
-    std::printf("\nkvcache_demo: %s\n", ok ? "ALL PASS" : "SOME ROWS OR CHECKS FAILED");
+    // Timing outside its target (OFF TARGET rows) fails the run only with --strict-timing;
+    // the correctness checks always decide.
+    const auto off_target = std::count_if(rows.begin(), rows.end(), [](const demo::report::row& x) { return x.off_target; });
+    if (ok && off_target > 0)
+        std::printf("\nkvcache_demo: ALL CHECKS PASS; %d TTFT row(s) OFF TARGET (timing targets, not correctness checks: "
+                    "a busy machine or a short prompt misses them; --strict-timing makes this a failure)\n",
+                    static_cast<int>(off_target));
+    else
+        std::printf("\nkvcache_demo: %s\n", ok ? "ALL PASS" : "SOME ROWS OR CHECKS FAILED");
     return ok ? 0 : 1;
 }

@@ -31,6 +31,7 @@ TEST_CASE("cli: defaults are the README's demo") {
     CHECK(o.context_shift);
     CHECK(o.self_extend);
     CHECK(o.timing);
+    CHECK_FALSE(o.strict_timing);  // timing off target is reported, not a failure
     CHECK_FALSE(o.help);
     CHECK(o.ctx == 256);
     CHECK(o.n_keep == 32);
@@ -64,6 +65,7 @@ TEST_CASE("cli: every option and the run selection") {
     CHECK(o.rope_scale == 0.25f);
     CHECK_FALSE(o.timing);
     CHECK(o.ttft);  // no selection: everything runs
+    CHECK(parse({"--strict-timing"}).strict_timing);
 
     const auto cs = parse({"--context-shift"});
     CHECK_FALSE(cs.ttft);

@@ -98,11 +98,11 @@ TEST_CASE("write_json: the demo's rows and checks, parseable field by field") {
     CHECK(s.str() ==
           "{\n  \"machine\": \"2 OpenMP threads\",\n  \"rows\": [\n"
           "    {\"scenario\": \"exact \\\"repeat\\\"\", \"cache_type\": \"f32\", \"round\": 1, \"ttft_ms\": 1042.5, \"ratio\": 1, "
-          "\"expected_max_ratio\": null, \"expected_min_ratio\": null, \"pass\": true, \"request\": \"base (cold)\", "
+          "\"expected_max_ratio\": null, \"expected_min_ratio\": null, \"pass\": true, \"off_target\": false, \"request\": \"base (cold)\", "
           "\"n_prompt\": 1000, \"computed\": 1000, \"from_slot\": 0, \"from_global\": 0, \"from_shift\": 0, "
           "\"logits_max_abs_diff\": null, \"logits_argmax_match\": true, \"logits_check_ok\": true},\n"
           "    {\"scenario\": \"exact \\\"repeat\\\"\", \"cache_type\": \"q8_0\", \"round\": 2, \"ttft_ms\": 1042.5, \"ratio\": 0.0125, "
-          "\"expected_max_ratio\": 0.02, \"expected_min_ratio\": null, \"pass\": true, \"request\": \"base (cold)\", "
+          "\"expected_max_ratio\": 0.02, \"expected_min_ratio\": null, \"pass\": true, \"off_target\": false, \"request\": \"base (cold)\", "
           "\"n_prompt\": 1000, \"computed\": 1, \"from_slot\": 999, \"from_global\": 0, \"from_shift\": 0, "
           "\"logits_max_abs_diff\": 2e-06, \"logits_argmax_match\": true, \"logits_check_ok\": true}\n"
           "  ],\n  \"checks\": [\n"
@@ -150,4 +150,46 @@ TEST_CASE("write_json: tier rows carry from_tier, tier and skipped; other rows d
     const std::size_t last = j.find("\"scenario\": \"exact repeat\"");
     REQUIRE(last != std::string::npos);
     CHECK(j.find("from_tier", last) == std::string::npos);
+}
+
+TEST_CASE("judge: correctness decides; a ratio off its target is reported, and fails only when strict") {
+    demo::report::row x;
+    x.expected_max = 0.05;
+    x.ratio = 0.08;  // slower than its target
+    demo::report::judge(x, true, false);
+    CHECK(x.pass);
+    CHECK(x.off_target);
+    CHECK(std::string(demo::report::result_label(x)) == "OFF TARGET");
+    demo::report::judge(x, true, true);  // --strict-timing
+    CHECK_FALSE(x.pass);
+    CHECK(std::string(demo::report::result_label(x)) == "FAIL");
+    demo::report::judge(x, false, true);  // --no-timing wins: timing not judged
+    CHECK(x.pass);
+    CHECK_FALSE(x.off_target);
+
+    x.ratio = 0.04;  // within target
+    demo::report::judge(x, true, true);
+    CHECK(x.pass);
+    CHECK_FALSE(x.off_target);
+    CHECK(std::string(demo::report::result_label(x)) == "PASS");
+
+    demo::report::row control;  // must not be fast: nothing is reused
+    control.expected_min = 0.8;
+    control.ratio = 0.5;
+    demo::report::judge(control, true, false);
+    CHECK(control.off_target);
+    CHECK(control.pass);
+
+    x.check_ok = false;  // a failed logits check fails with or without timing
+    for (const bool timing : {false, true})
+        for (const bool strict : {false, true}) {
+            demo::report::judge(x, timing, strict);
+            CHECK_FALSE(x.pass);
+        }
+    std::ostringstream s;
+    x.check_ok = true;
+    x.ratio = 0.5;
+    demo::report::judge(x, true, false);
+    demo::report::write_json(s, {x}, "m", {});
+    CHECK(s.str().find("\"pass\": true, \"off_target\": true") != std::string::npos);
 }
