@@ -387,6 +387,22 @@ void fip_sweep_all(bool tight) {
         w.slots.global_cache().set_limits(w.cache, l);
         return std::string("ok");
     });
+    fip_sweep<Cache, Store>(
+        "prompt_cache::set_pinned: unpinning evicts by the token limit", tight, true,
+        [](world& w) {
+            auto& g = w.slots.global_cache();
+            const bool known = g.set_pinned(w.cache, g.ids().front(), false);
+            fi::disarm();
+            return std::string(known ? "unpinned, " : "unknown, ") + std::to_string(g.ids().size()) + " entries";
+        },
+        [](world& w) {
+            auto& g = w.slots.global_cache();
+            for (const auto id : g.ids()) g.set_pinned(w.cache, id, true);
+            prompt_cache_limits l;
+            l.limit_bytes = 0;
+            l.limit_tokens = 30;  // the two entries (41 + 25 tokens) do not fit, but both are pinned
+            g.set_limits(w.cache, l);
+        });
     fip_sweep<Cache, Store>("prompt_cache::clear", tight, true, [](world& w) {
         w.slots.global_cache().clear(w.cache);
         return std::string("ok");
