@@ -147,6 +147,18 @@ prepared_request twin_serve(slot_manager<Cache>& sm, Cache& c, const prompt_toke
     return out;
 }
 
+/// A process of the scenario: a fresh cache and slot manager on the shared chain.
+template <class Cache>
+struct twin_process {
+    Cache cache;
+    slot_manager<Cache> slots;
+    twin_process(Cache (*make)(), tier::tier_cache<Cache, tier::memory_tier>& chain)
+        : cache(make()), slots(cache, {.n_slots = 2}) {
+        slots.attach_tiers(chain, {.scratch_seq = 3});
+    }
+    prepared_request serve(const prompt_tokens& p) { return twin_serve(slots, cache, p); }
+};
+
 template <class Cache>
 void twin_run(Cache (*make)()) {
     using chain_t = tier::tier_cache<Cache, tier::memory_tier>;
@@ -156,42 +168,35 @@ void twin_run(Cache (*make)()) {
     for (token_t t = 0; t < 10; ++t) longer.push_back(700 + t);
 
     // Process A: computes req (the window keeps the last positions only) and publishes it.
-    Cache a = make();
-    slot_manager<Cache> sa(a, {.n_slots = 2});
-    sa.attach_tiers(chain, {.scratch_seq = 3});
-    CHECK(twin_serve(sa, a, req).n_past == 0);
+    twin_process<Cache> a(make, chain);
+    CHECK(a.serve(req).n_past == 0);
     CHECK(chain.metrics().published == 1);
 
     // Process B (a fresh cache on the same chain): a request extending req loads the blob
     // whole and continues from position 40 with the window it needs.
-    Cache b = make();
-    slot_manager<Cache> sb(b, {.n_slots = 2});
-    sb.attach_tiers(chain, {.scratch_seq = 3});
-    const auto q = twin_serve(sb, b, longer);
+    twin_process<Cache> b(make, chain);
+    const auto q = b.serve(longer);
     CHECK(q.n_past == 40);
     CHECK(q.metrics.from_tier == 40);
     CHECK(q.metrics.tier == 0);
-    CHECK(b.seq_pos_max(3) < 0);  // scratch emptied
+    CHECK(b.cache.seq_pos_max(3) < 0);  // scratch emptied
 
     // An exact repeat of req on another fresh cache: the last position is computed, so the
     // blob is cut at 39. A query at 39 sees keys (39 - W, 39], all in the blob: the window
-    // layers accept the cut and the request reuses 39 positions, exact (twin_serve checks
-    // every held position and the window the next token needs).
-    Cache c = make();
-    slot_manager<Cache> sc(c, {.n_slots = 2});
-    sc.attach_tiers(chain, {.scratch_seq = 3});
-    const auto e = twin_serve(sc, c, req);
+    // layers accept the cut and the request reuses 39 positions, exact (serve checks every
+    // held position and the window the next token needs).
+    twin_process<Cache> c(make, chain);
+    const auto e = c.serve(req);
     CHECK(e.n_past == 39);
     CHECK(e.metrics.from_tier == 39);
-    CHECK(sc.metrics().tier_fetch_errors == 0);
+    CHECK(c.slots.metrics().tier_fetch_errors == 0);
+
     // A request diverging at 20 shares only blocks below the published key: a miss.
     prompt_tokens d = req;
     d.keep_first(20);
     for (token_t t = 0; t < 20; ++t) d.push_back(900 + t);
-    Cache f = make();
-    slot_manager<Cache> sf(f, {.n_slots = 2});
-    sf.attach_tiers(chain, {.scratch_seq = 3});
-    const auto g = twin_serve(sf, f, d);
+    twin_process<Cache> f(make, chain);
+    const auto g = f.serve(d);
     CHECK(g.n_past == 0);
     CHECK(g.metrics.from_tier == 0);
 }
