@@ -309,10 +309,20 @@ TEST_CASE("slots on a ring layout with n_swa = 0 take the ring's window (slot it
     toy::fill(cache, r.seq, p, 0, 40);
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
-    r = slots.prepare(p).value();  // an exact repeat re-enters at 39, whose window needs position 31: dropped
+    // An exact repeat re-enters at 39: the query there sees (31, 39], which the ring holds.
+    r = slots.prepare(p).value();
+    CHECK(r.n_past == 39);
+    CHECK(r.metrics.from_slot == 39);
+    CHECK(toy::max_error(cache, r.seq, p, 39, false, 39 - w + 1) == 0.0);
+    toy::fill(cache, r.seq, p, 39, 40);
+    slots.commit_prompt(r.slot);
+    slots.release(r.slot);
+    // One position earlier is too far: the query at 38 sees (30, 38], position 31 is gone.
+    const prompt_tokens p38 = cat(toy::text(38), toy::text(2, 8000));
+    r = slots.prepare(p38).value();
     CHECK(r.n_past == 0);
     CHECK(r.metrics.miss == miss_reason::swa);
-    toy::fill(cache, r.seq, p, 0, 40);
+    toy::fill(cache, r.seq, p38, 0, p38.size());
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
     const prompt_tokens q = cat(toy::text(30), toy::text(10, 7000));
@@ -322,7 +332,7 @@ TEST_CASE("slots on a ring layout with n_swa = 0 take the ring's window (slot it
     toy::fill(cache, r.seq, q, 0, q.size());
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
-    CHECK(slots.metrics().misses_for(miss_reason::swa) == 2);
+    CHECK(slots.metrics().misses_for(miss_reason::swa) == 2);  // p38 and q
 }
 
 TEST_CASE("metrics: miss reasons salt, evicted, media") {

@@ -305,13 +305,20 @@ TEST_CASE("slots F23 on the ring layout: the window is really gone, the checkpoi
     toy::fill(cache, r.seq, q, 20, 40);
     slots.commit_prompt(r.slot);
     slots.release(r.slot);
-    // an exact repeat cannot re-enter at position 39 either (position 31 is gone): the
-    // checkpoint at 19 is still the newest usable one
+    // an exact repeat re-enters at position 39 (its query sees (31, 39], all held): no
+    // checkpoint needed
     r = slots.prepare(q).value();
+    CHECK_FALSE(r.metrics.checkpoint_restored);
+    CHECK(r.n_past == 39);
+    CHECK(toy::max_error(cache, r.seq, q, 39, false, 39 - w + 1) == 0.0);
+    slots.release(r.slot);
+    CHECK(cache.seq_pos_max(r.seq) == 38);  // release dropped nothing the host computed: it computed nothing
+    // a request diverging at 38 cannot re-enter there (its query needs position 31, gone):
+    // the checkpoint at 19 is the newest usable one
+    r = slots.prepare(cat(cat(toy::text(30), toy::text(8, 7000)), toy::text(2, 9000))).value();
     CHECK(r.metrics.checkpoint_restored);
     CHECK(r.n_past == 20);
     slots.release(r.slot);
-    CHECK(cache.seq_pos_max(r.seq) == 19);  // release dropped nothing the host computed: it computed nothing
 }
 
 TEST_CASE("slots: paged layout: idle slot states are evicted to make room, counting blocks (issue 25, 5)") {

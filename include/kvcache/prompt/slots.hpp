@@ -937,20 +937,26 @@ private:
         if (m.checkpoint_restored) ++counters_.checkpoints_restored;
     }
 
-    /// F23: a sliding-window sequence cannot re-enter a prefix whose window was overwritten,
+    /// The lowest position the query at position n sees under the window: a query at p
+    /// sees keys (p - n_swa, p] (ops::attention's window, the ring layout's pruning).
+    std::int64_t window_floor(std::int64_t n) const noexcept {
+        return std::max<std::int64_t>(0, n - std::int64_t{opt_.n_swa} + 1);
+    }
+
+    /// F23: a sliding-window sequence cannot re-enter a prefix whose window was overwritten
+    /// (re-entering at n_past needs the positions the query at n_past sees, window_floor),
     /// and a recurrent state cannot be rolled back below its last position. Continue from
     /// the newest checkpoint at or below n_past, or recompute everything.
     reuse::plan checkpoint_adjust(slot& s, seq_id_t seq, const prompt_tokens& request, const reuse::plan& p,
                                   request_metrics& m) {
-        const std::int64_t thold = std::max<std::int64_t>(0, std::int64_t{p.n_past} - opt_.n_swa);
-        const bool window_ok = opt_.n_swa == 0 || window_pos_min(seq) <= thold;
+        const bool window_ok = opt_.n_swa == 0 || window_pos_min(seq) <= window_floor(p.n_past);
         const bool state_ok = !has_recurrent_state || cache_->seq_pos_max(seq) < static_cast<pos_t>(p.n_past);
         if (window_ok && state_ok) return p;
         reuse::plan q;
         q.n_request = p.n_request;
         for (auto it = s.checkpoints.rbegin(); it != s.checkpoints.rend(); ++it) {
             const std::int64_t n = std::int64_t{it->pos_max} + 1;
-            if (n > p.n_past || it->pos_min > std::max<std::int64_t>(0, n - opt_.n_swa)) continue;
+            if (n > p.n_past || (opt_.n_swa > 0 && it->pos_min > window_floor(n))) continue;
             if (request.cuts_chunk(static_cast<std::size_t>(n))) continue;
             cache_->seq_rm(seq, -1, -1).value();  // the whole sequence: never refused
             if (!store().load(*cache_, seq, it->state)) break;
