@@ -71,10 +71,10 @@ std::string fip_raw(const Cache& cache) {
 /// eviction stats and order, its radix index node by node, the remembered evicted keys and
 /// their index, the store's free sequence ids (shared_store) and every counter.
 template <class Cache, class Slots>
-std::string fip_observe(const Cache& cache, Slots& slots) {
+std::string fip_observe(const Cache& cache, Slots& slots, bool free_bytes = true) {
     std::ostringstream os;
     for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
-    os << fip_raw(cache);
+    if (free_bytes) os << fip_raw(cache);
     for (std::uint32_t i = 0; i < slots.n_slots(); ++i) {
         const int id = static_cast<int>(i);
         os << "slot " << i << (slots.busy(id) ? " busy" : " idle") << " ck " << slots.n_checkpoints(id) << " tokens";
@@ -219,7 +219,7 @@ std::string fip_first_diff(const std::string& a, const std::string& b) {
 template <class Cache, class Store>
 void fip_sweep(const std::string& name, bool tight, bool strict,
                const std::function<std::string(fip_world<Cache, Store>&)>& op,
-               const std::function<void(fip_world<Cache, Store>&)>& prep = {}) {
+               const std::function<void(fip_world<Cache, Store>&)>& prep = {}, bool free_bytes = true) {
     CAPTURE(name);
     int throws = 0;
     for (long n = 1;; ++n) {
@@ -229,7 +229,7 @@ void fip_sweep(const std::string& name, bool tight, bool strict,
             prep(w);
             prep(twin);
         }
-        const std::string before = fip_observe(w.cache, w.slots);
+        const std::string before = fip_observe(w.cache, w.slots, free_bytes);
         std::vector<bool> busy_before;
         for (std::uint32_t i = 0; i < w.slots.n_slots(); ++i) busy_before.push_back(w.slots.busy(static_cast<int>(i)));
         std::string got;
@@ -256,7 +256,7 @@ void fip_sweep(const std::string& name, bool tight, bool strict,
             REQUIRE(n < 100000);
             continue;
         }
-        REQUIRE(fip_first_diff(before, fip_observe(w.cache, w.slots)) == "");
+        REQUIRE(fip_first_diff(before, fip_observe(w.cache, w.slots, free_bytes)) == "");
         // the call completes afterwards, as on the untouched twin
         const std::string again = op(w), want = op(twin);
         REQUIRE(again == want);
@@ -289,9 +289,13 @@ void fip_sweep_all(bool tight) {
             return "n_past " + std::to_string(p.value().n_past) + " slot " + std::to_string(p.value().slot);
         };
     };
-    fip_sweep<Cache, Store>("prepare: exact repeat from the slot", tight, false, prepare(fip_a, -1));
-    fip_sweep<Cache, Store>("prepare: growing prompt from the global cache into slot 2", tight, false, prepare(grown, 2));
-    fip_sweep<Cache, Store>("prepare: a new prompt (room made by eviction when tight)", tight, false, prepare(fresh, 2));
+    // prepare is strong on kv_cache: bit-identical, but for the bytes of free cells (which
+    // hold nothing: a placement or load it undid may have written them).
+    fip_sweep<Cache, Store>("prepare: exact repeat from the slot", tight, true, prepare(fip_a, -1), {}, false);
+    fip_sweep<Cache, Store>("prepare: growing prompt from the global cache into slot 2", tight, true, prepare(grown, 2), {},
+                            false);
+    fip_sweep<Cache, Store>("prepare: a new prompt (room made by eviction when tight)", tight, true, prepare(fresh, 2), {},
+                            false);
     auto prepared = [fresh](world& w) {
         request_options ro;
         ro.slot_id = 2;

@@ -125,6 +125,15 @@ result<prepared_commit> prepare_commit(const char* fn, Cache& cache, const stage
         return make_error(picked.code(), std::string(fn) + ": " + picked.message());
     }
     pc.picked = std::move(picked.value());
+    // A compound operation's byte guard (kv_cache::begin_guard) keeps what the cells the
+    // load writes held when it began (the caller's rollback undoes a throw here).
+    if constexpr (requires { cache.guard_cells(std::span<const std::uint32_t>{}, internal_access{}); }) {
+        cache.guard_cells(std::span<const std::uint32_t>(pc.picked.cells), internal_access{});
+        for (const auto& m : pc.picked.moves) {
+            const std::uint32_t to[] = {m.second};
+            cache.guard_cells(std::span<const std::uint32_t>(to), internal_access{});
+        }
+    }
     return pc;
 }
 

@@ -216,6 +216,12 @@ struct ring {
         /// move frees can be the destination of a later one, so copying as it goes would leave
         /// a restored cell holding another cell's K/V.
         void on_commit(cell_table& cells) {
+            on_commit(cells, [](std::uint32_t) {});
+        }
+        /// The same; before_copy(to) runs for every move's destination before any K/V is
+        /// copied (kv_cache's byte guard keeps what those cells held; it may throw).
+        template <class F>
+        void on_commit(cell_table& cells, F&& before_copy) {
             tables_->settle();
             moves_.clear();
             for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_); ++s) {
@@ -248,6 +254,7 @@ struct ring {
             for (std::uint32_t r = 0; r < n_seq_; ++r)  // foreign cells left by sequence operations
                 for (std::uint32_t c = r * region_; tables_->foreign_in(r) != 0 && c < (r + 1) * region_; ++c)
                     if (!cells.is_free(c) && !cells.seqs(c).test(static_cast<seq_id_t>(r))) rehome(cells, c);
+            for (const auto& m : moves_) before_copy(m.second);
             for (const auto& [from, to] : moves_) this->copy_cell(from, to);  // noexcept
         }
 

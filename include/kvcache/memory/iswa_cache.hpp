@@ -228,6 +228,24 @@ public:
         full_.load_checkpoint(cp.full, a);
         swa_.load_checkpoint(cp.swa, a);
     }
+    /// Both caches' byte guards (kv_cache::begin_guard).
+    void begin_guard(const checkpoint& cp, detail::internal_access a) {
+        full_.begin_guard(cp.full, a);
+        try {
+            swa_.begin_guard(cp.swa, a);
+        } catch (...) {
+            full_.end_guard(a);
+            throw;
+        }
+    }
+    void end_guard(detail::internal_access a) noexcept {
+        full_.end_guard(a);
+        swa_.end_guard(a);
+    }
+    void rollback_guard(detail::internal_access a) noexcept {
+        full_.rollback_guard(a);
+        swa_.rollback_guard(a);
+    }
 
     /// seq_rm on both caches or neither. Error result: unsupported (positions the ring pruned).
     [[nodiscard]] result<void> seq_rm(seq_id_t s, pos_t p0, pos_t p1) {

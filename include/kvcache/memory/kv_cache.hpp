@@ -299,6 +299,8 @@ public:
                 for (const std::uint32_t c : out.cells) backup_if_held_at_tx_start(c);
                 for (const cell_copy& c : copies) backup_if_held_at_tx_start(c.dst);
             }
+            guard_cells(out.cells);
+            for (const cell_copy& c : copies) guard_cell(c.dst);
             staged_.reserve(staged_.size() + n + copies.size());
             for (const cell_copy& c : copies) {  // c.seq moves from c.src to its own copy c.dst
                 staged_.push_back(c.dst);
@@ -347,7 +349,10 @@ public:
         if constexpr (has_capability<storage_t, layout_caps::commit_hook>) {
             save_checkpoint(op_cp_);
             try {
-                storage_.on_commit(cells_);  // layout capability, e.g. SWA pruning
+                if constexpr (requires { storage_.on_commit(cells_, [](std::uint32_t) {}); })
+                    storage_.on_commit(cells_, [this](std::uint32_t to) { guard_cell(to); });  // before its K/V copies
+                else
+                    storage_.on_commit(cells_);  // layout capability, e.g. SWA pruning
             } catch (...) {
                 load_checkpoint(op_cp_);
                 throw;
@@ -390,6 +395,34 @@ public:
     void undo_place(checkpoint& cp, std::size_t n, detail::internal_access) noexcept {
         load_checkpoint(cp);
         staged_.resize(n);
+    }
+
+    /// Byte guard of a compound operation (slot_manager::prepare): from begin_guard(cp) on,
+    /// every cell that was occupied in checkpoint `cp` and is given out again (placements,
+    /// splits, state loads, the ring's moves) has its K/V bytes copied first, so that
+    /// load_checkpoint(cp) + rollback_guard() put the cache back bit-identical (occupied
+    /// cells; free cells hold nothing). Costs at most the bytes written into such cells.
+    /// `cp` must outlive the guard. begin_guard may throw std::bad_alloc (nothing changed).
+    void begin_guard(const checkpoint& cp, detail::internal_access) {
+        KVCACHE_ASSERT(cp.cells.has_value() && guard_ == nullptr);
+        guard_done_.assign(capacity(), false);
+        guard_backup_.clear();
+        guard_ = &*cp.cells;
+    }
+    /// Ends the guard, keeping the cache as it is now (drops the copies). Never throws.
+    void end_guard(detail::internal_access) noexcept {
+        guard_ = nullptr;
+        guard_backup_.clear();
+    }
+    /// Ends the guard, writing the kept bytes back (call after load_checkpoint(cp)). Never throws.
+    void rollback_guard(detail::internal_access) noexcept {
+        for (const cell_backup& b : guard_backup_) put_cell_bytes(b);
+        end_guard(detail::internal_access{});
+    }
+    /// Copies the bytes of cells about to be written by a library component (state loads),
+    /// when a guard is on. May throw std::bad_alloc before anything is written.
+    void guard_cells(std::span<const std::uint32_t> cells, detail::internal_access) {
+        guard_cells(cells);
     }
 
     // ------------------------------------------------------- sequence ops (F5)
@@ -774,6 +807,7 @@ private:
             std::uint32_t target = c;
             if (s >= 0 && cells_.seqs(c).count() > 1) {  // split: s gets its own copy
                 target = targets[next_target++];
+                guard_cell(target);
                 copies.emplace_back(c, target);
                 cells_.rm_seq(c, s);
                 cells_.occupy(target, cells_.pos(c), seq_set::of(s), cells_.ext(c));
@@ -794,6 +828,20 @@ private:
         if (!tx_cp_.cells || tx_cp_.cells->is_free(c)) return;
         for (const cell_backup& b : tx_backup_)
             if (b.cell == c) return;  // the first copy is the transaction's start
+        tx_backup_.push_back(cell_bytes(c));
+    }
+    /// The guard's copy of cell c (begin_guard), once: the bytes it had when the guard began.
+    void guard_cell(std::uint32_t c) {
+        if (guard_ == nullptr || guard_->is_free(c) || guard_done_[c]) return;
+        guard_backup_.push_back(cell_bytes(c));
+        guard_done_[c] = true;
+    }
+    void guard_cells(std::span<const std::uint32_t> cells) {
+        if (guard_ == nullptr) return;
+        guard_backup_.reserve(guard_backup_.size() + cells.size());
+        for (const std::uint32_t c : cells) guard_cell(c);
+    }
+    cell_backup cell_bytes(std::uint32_t c) const {
         cell_backup b;
         b.cell = c;
         for (std::uint32_t l = 0; l < shape_.n_layer; ++l) {
@@ -804,7 +852,7 @@ private:
             for (std::uint32_t h = 0; h < shape_.n_head_kv; ++h)
                 for (std::uint32_t u = 0; u < v.v_units(); ++u) b.bytes.push_back(v.v[v.v_unit(h, c, u)]);
         }
-        tx_backup_.push_back(std::move(b));
+        return b;
     }
     void put_cell_bytes(const cell_backup& b) noexcept {
         std::size_t i = 0;
@@ -825,6 +873,9 @@ private:
     std::uint32_t head_ = 0;             // where the next slot search starts (F3)
     checkpoint tx_cp_;                   // the state before the first staged placement (restore())
     checkpoint op_cp_;                   // the state before the running operation (its rollback)
+    const cell_table* guard_ = nullptr;  // occupancy when the byte guard began (begin_guard), or none
+    std::vector<bool> guard_done_;       // cells whose bytes the guard copied
+    std::vector<cell_backup> guard_backup_;
 };
 
 static_assert(memory<kv_cache<>> && kv_memory<kv_cache<>>, "kvcache: kv_cache must satisfy kvcache::kv_memory");

@@ -415,6 +415,7 @@ public:
             release_all(cache, checkpoints);
             detail::fail(errc::transaction_open, "prompt_cache::save: placements are staged; commit() or restore() first");
         }
+        KVCACHE_ASSERT(!batch_);  // (slot_manager::prepare never saves)
         if (!tokens.empty() && cache.seq_pos_max(seq) != static_cast<pos_t>(tokens.size()) - 1) {
             const pos_t got = cache.seq_pos_max(seq);
             release_all(cache, checkpoints);
@@ -519,7 +520,7 @@ public:
     /// unknown id. Always true with a store without valid() (copy_store, state_store).
     [[nodiscard]] bool valid(const Cache& cache, entry_id id) const {
         const auto it = entries_.find(id);
-        return it != entries_.end() && entry_valid(cache, it->second);
+        return it != entries_.end() && !it->second.doomed && entry_valid(cache, it->second);
     }
     /// What drop_invalid removed.
     struct dropped {
@@ -535,7 +536,7 @@ public:
         if constexpr (detail::checks_entries<Store, Cache>) {
             std::vector<entry_id> bad;
             for (const auto& [id, e] : entries_)
-                if (!entry_valid(cache, e)) {
+                if (!e.doomed && !entry_valid(cache, e)) {
                     bad.push_back(id);
                     if (request != nullptr && e.salt == salt)
                         out.max_lcp = std::max(out.max_lcp, e.tokens.common_prefix(*request));
@@ -581,6 +582,7 @@ public:
         index_.candidates(salt, key, [&](const radix_index::candidate& c) {
             // The index compares hashed media symbols; confirm with the exact comparison.
             const entry& e = entries_.at(c.id);
+            if (e.doomed) return true;
             const auto lcp = static_cast<std::uint32_t>(e.tokens.common_prefix(request));
             if (qualifies(lcp, c.len, n_req, fk_slot, sim_slot, slot_lcp)) {
                 best = selection{c.id, lcp, c.len};
@@ -621,7 +623,7 @@ public:
         if (cache.in_transaction())
             detail::fail(errc::transaction_open, "prompt_cache::load: placements are staged; commit() or restore() first");
         const auto it = entries_.find(id);
-        if (it == entries_.end())
+        if (it == entries_.end() || it->second.doomed)
             return detail::make_error(errc::invalid_argument, "prompt_cache::load: no entry with id " + std::to_string(id));
         if (!entry_valid(cache, it->second)) {
             const entry_id bad[] = {id};
@@ -633,6 +635,7 @@ public:
         removal r;
         r.ids.reserve(1);
         undo u(store_, cache);
+        loaded out;
         try {
             result<void> got = store_.load(cache, dst, it->second.state);
             if (!got) {
@@ -640,13 +643,28 @@ public:
                 return detail::make_error(got.code(), got.message());
             }
             doom(cache, r, id, false, false);  // the checkpoints move to the caller
+            if (batch_) {  // copies: a rolled-back batch keeps the entry whole
+                if constexpr (std::is_copy_constructible_v<checkpoint>) {
+                    out.tokens = it->second.tokens;
+                    out.checkpoints = it->second.checkpoints;
+                } else {
+                    detail::fail(errc::unsupported, "prompt_cache::load: a batch needs copyable store handles");
+                }
+            }
         } catch (...) {
             u.rollback(cache, *this, r);
             throw;
         }
         ++metrics_.hits;
         entry& e = it->second;
-        loaded out{std::move(e.tokens), std::move(e.checkpoints), e.stats.hits + 1};
+        out.hits = e.stats.hits + 1;
+        if (batch_) {
+            batch_->loaded.push_back(id);  // within the reserved room
+            defer(r);
+            return out;
+        }
+        out.tokens = std::move(e.tokens);
+        out.checkpoints = std::move(e.checkpoints);
         commit(cache, r, 0);
         return out;
     }
@@ -709,6 +727,7 @@ public:
     void for_each_evictable_handle(F&& f) const {
         for (const auto& o : order_) {
             const entry& e = entries_.at(o.second);
+            if (e.doomed) continue;
             f(e.state);
             for (const checkpoint& ck : e.checkpoints) f(ck.state);
         }
@@ -717,9 +736,48 @@ public:
     /// Evicts the first entry in eviction order (its key is remembered for evicted_lcp);
     /// false if every entry is pinned (or none). Strong under std::bad_alloc.
     bool evict_one(Cache& cache) {
-        if (order_.empty()) return false;
-        two_phase(cache, 1, [&](removal& r) { doom(cache, r, order_.begin()->second, true); });
+        const std::optional<entry_id> victim = next_victim(removal{});
+        if (!victim) return false;
+        two_phase(cache, 1, [&](removal& r) { doom(cache, r, *victim, true); });
         return true;
+    }
+
+    /// Batch (slot_manager::prepare's undo; library components only): from begin_batch on,
+    /// the removals of drop_invalid, load, erase, evict_one and enforce_limits take effect
+    /// for every later call (the entries are no longer found, loaded or evicted; the store
+    /// released their cells) but stay recorded until commit_batch drops them, or
+    /// rollback_batch puts everything back as it was at begin_batch: entries, index,
+    /// eviction order, remembered keys, counters, the store and its cells (with an
+    /// undoable store; the caller restores the cache otherwise). load() hands out copies
+    /// of the entry's tokens and checkpoints. save() is refused during a batch.
+    /// begin_batch may throw std::bad_alloc (nothing changed).
+    void begin_batch(Cache& cache, detail::internal_access) {
+        KVCACHE_ASSERT(!batch_);
+        batch_state b(store_, cache);
+        b.r.ids.reserve(entries_.size());  // every removal of the batch fits: no entry is added
+        b.loaded.reserve(entries_.size());
+        b.metrics = metrics_;
+        batch_.emplace(std::move(b));
+    }
+    /// Whether a batch is open.
+    [[nodiscard]] bool in_batch() const noexcept { return batch_.has_value(); }
+    /// Drops the batch's removed entries for good (never throws).
+    void commit_batch(Cache& cache, detail::internal_access) noexcept {
+        if (!batch_) return;
+        for (const entry_id id : batch_->loaded) {  // their checkpoints belong to the caller's copies now
+            entry& e = entries_.find(id)->second;
+            e.checkpoints.clear();
+        }
+        commit(cache, batch_->r, 0);
+        batch_.reset();
+    }
+    /// Puts everything back as it was at begin_batch (never throws).
+    void rollback_batch(Cache& cache, detail::internal_access) noexcept {
+        if (!batch_) return;
+        for (const entry_id id : batch_->r.ids) entries_.find(id)->second.doomed = false;
+        batch_->u.rollback(cache, *this, batch_->r);
+        metrics_ = batch_->metrics;
+        batch_.reset();
     }
 
 private:
@@ -733,6 +791,7 @@ private:
         bool pinned = false;
         radix_index::position where;  // its node in index_
         std::size_t n_tokens = 0;     // tokens.size() (load() moves the tokens out before the totals drop it)
+        bool doomed = false;          // removed by the open batch (begin_batch), committed by commit_batch
     };
     using entry_map = std::map<entry_id, entry>;
     using order_set = std::set<std::pair<eviction_rank, entry_id>>;
@@ -826,7 +885,7 @@ private:
     /// The first unpinned entry in eviction order not yet in r.
     std::optional<entry_id> next_victim(const removal& r) const noexcept {
         for (const auto& o : order_)
-            if (!r.contains(o.second)) return o.second;
+            if (!r.contains(o.second) && !entries_.find(o.second)->second.doomed) return o.second;
         return std::nullopt;
     }
 
@@ -909,7 +968,30 @@ private:
             u.rollback(cache, *this, r);
             throw;
         }
-        commit(cache, r, 0);
+        if (batch_)
+            defer(r);
+        else
+            commit(cache, r, 0);
+    }
+
+    /// The open batch: what its operations removed, the store's record at its start, the counters.
+    struct batch_state {
+        removal r;
+        undo u;
+        prefix_cache_metrics metrics;
+        std::vector<entry_id> loaded;  // entries load() handed out (copies)
+        batch_state(Store& store, Cache& cache) : u(store, cache) {}
+    };
+    /// Adds r's removals to the open batch (never allocates: its room was reserved).
+    void defer(removal& r) noexcept {
+        for (const entry_id id : r.ids) {
+            entries_.find(id)->second.doomed = true;
+            batch_->r.ids.push_back(id);
+        }
+        batch_->r.n_evicted += r.n_evicted;
+        batch_->r.n_ghost += r.n_ghost;
+        batch_->r.bytes += r.bytes;
+        batch_->r.tokens += r.tokens;
     }
 
     /// Takes entry e out of the index, the eviction order and the totals (never allocates).
@@ -1028,6 +1110,7 @@ private:
     radix_index ghost_;            // keys of recently evicted entries (id unused)
     std::deque<std::pair<std::uint64_t, std::vector<key_symbol>>> ghost_order_;  // (salt, key), oldest first
     std::size_t ghost_symbols_ = 0;  // symbols in ghost_order_
+    std::optional<batch_state> batch_;  // begin_batch .. commit_batch / rollback_batch
 };
 
 KVCACHE_END_NAMESPACE

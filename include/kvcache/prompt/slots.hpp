@@ -414,6 +414,26 @@ public:
             detail::fail(errc::invalid_argument, "slot_manager::prepare: the tier scratch sequence " +
                                                      std::to_string(tiers_.opt.scratch_seq) +
                                                      " holds positions; it is reserved for tier loads");
+        if constexpr (strong_prepare) {
+            journal j;
+            open_journal(j);  // may throw std::bad_alloc: nothing changed yet
+            try {
+                result<prepared_request> out = prepare_steps(request, ro, reuse_on);
+                close_journal(j);
+                return out;
+            } catch (...) {
+                rollback_journal(j);
+                throw;
+            }
+        } else {
+            return prepare_steps(request, ro, reuse_on);
+        }
+    }
+
+private:
+    /// prepare() once the arguments are checked (under the journal where there is one).
+    [[nodiscard]] result<prepared_request> prepare_steps(const prompt_tokens& request, const request_options& ro,
+                                                         bool reuse_on) {
         // Entries that cannot lie: idle states whose cells changed under them are dropped.
         std::size_t lost_invalid = 0;  // longest prefix of the request such a state held
         for (std::size_t i = 0; i < slots_.size(); ++i) {
@@ -431,25 +451,30 @@ public:
             return detail::make_error(errc::no_space, "slot_manager::prepare: every one of the " +
                                                           std::to_string(slots_.size()) + " slots is busy");
         slot& s = slots_[static_cast<std::size_t>(id)];
-        // From here on the slot's sequence changes step by step (each step complete or
-        // nothing): if an allocation fails (std::bad_alloc) in one, the slot forgets its
-        // tokens, so that what its sequence holds then is never served; the next prepare
-        // recomputes. (A refused plan throws kvcache::error with the slot's state in place.)
-        try {
-            return prepare_slot(request, ro, reuse_on, lost_invalid, id);
-        } catch (const std::bad_alloc&) {
-            s.tokens.clear();
-            throw;
+        if constexpr (strong_prepare) {
+            return prepare_slot(request, ro, reuse_on, lost_invalid, id);  // the journal undoes a throw
+        } else {
+            // Without a journal the slot's sequence changes step by step (each step complete
+            // or nothing): if an allocation fails (std::bad_alloc) in one, the slot forgets
+            // its tokens, so that what its sequence holds then is never served; the next
+            // prepare recomputes. (A refused plan throws kvcache::error with the slot's state
+            // in place.)
+            try {
+                return prepare_slot(request, ro, reuse_on, lost_invalid, id);
+            } catch (const std::bad_alloc&) {
+                s.tokens.clear();
+                throw;
+            }
         }
     }
 
-private:
     /// prepare() once the slot is chosen (see there).
     [[nodiscard]] result<prepared_request> prepare_slot(const prompt_tokens& request, const request_options& ro,
                                                         bool reuse_on, std::size_t lost_invalid, int id) {
         using std::to_string;
         slot& s = slots_[static_cast<std::size_t>(id)];
         const seq_id_t seq = opt_.first_seq + id;
+        touch(static_cast<std::size_t>(id));
         prepared_request out;
         out.slot = id;
         out.seq = seq;
@@ -503,9 +528,10 @@ private:
                 parked_state parked = park(seq);
                 auto got = global_->load(*cache_, seq, *pick);
                 if (got) {
-                    for (auto& ck : s.checkpoints) store().release(*cache_, ck.state);
+                    drop_checkpoints(s, 0);
                     s.tokens = std::move(got.value().tokens);
                     s.checkpoints = std::move(got.value().checkpoints);
+                    if (j_ != nullptr) saved_of(static_cast<std::size_t>(id)).live_is_orig = false;
                     s.hits = got.value().hits;
                     from_global = true;
                     source = &s.tokens;  // the entry left the cache
@@ -536,8 +562,6 @@ private:
             plan.n_request = out.n_request;
             reuse::apply_plan(*cache_, seq, plan).value();  // an empty sequence: never refused
         }
-        if constexpr (Cache::can_shift && !std::same_as<Cache, recurrent_memory>)  // a state has no K to rotate
-            if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
         // The reuse stopped at a media position of both the request and its source.
         bool media_stop = plan.n_past < source->size() && (*source)[plan.n_past] == null_token &&
                           request.chunk_at(plan.n_past) != nullptr;
@@ -565,11 +589,12 @@ private:
         }
         s.tokens = request;
         s.tokens.keep_first(plan.n_past);
-        std::erase_if(s.checkpoints, [&](checkpoint& ck) {
-            if (ck.pos_max < static_cast<pos_t>(std::min(planned_past, plan.n_past))) return false;
-            store().release(*cache_, ck.state);
-            return true;
-        });
+        {  // checkpoints at or beyond what the sequence holds now describe another state (increasing pos_max)
+            const auto bound = static_cast<pos_t>(std::min(planned_past, plan.n_past));
+            const auto first_stale = std::partition_point(s.checkpoints.begin(), s.checkpoints.end(),
+                                                          [&](const checkpoint& ck) { return ck.pos_max < bound; });
+            drop_checkpoints(s, static_cast<std::size_t>(first_stale - s.checkpoints.begin()));
+        }
         make_room(plan.n_compute(), id);
         if (opt_.n_swa > 0 || has_recurrent_state) out.checkpoints = checkpoint_schedule(request, plan.n_past, ro);
 
@@ -579,6 +604,12 @@ private:
         out.metrics.miss = miss_of(request, plan.n_past, load_failed, lost_invalid, swa_cut, lost_salt, media_stop,
                                    reuse_on, ro.salt);
         prompt_tokens pending = request;  // the last allocation, before the slot turns busy
+        request_options opts = ro;
+        // F20: the K-shift last, after every other step that can throw (it is complete or
+        // nothing itself, and it rotates K in place: the journal cannot undo it).
+        if constexpr (Cache::can_shift && !std::same_as<Cache, recurrent_memory>)  // a state has no K to rotate
+            if (opt_.apply_k_shift && cache_->has_shift()) ops::apply_k_shift(*cache_, opt_.n_threads);
+        // Nothing below throws.
         count(out.metrics);
         out.n_past = plan.n_past;
         out.k_shift_pending = cache_->has_shift();
@@ -587,7 +618,7 @@ private:
         s.last_used = ++clock_;
         s.pending = std::move(pending);
         s.has_pending = true;
-        s.opts = ro;
+        s.opts = std::move(opts);
         last_ = out.metrics;
         return out;
     }
@@ -829,12 +860,155 @@ private:
     }
 
     void drop_state(slot& s, seq_id_t seq) {
+        touch(static_cast<std::size_t>(&s - slots_.data()));
         cache_->seq_rm(seq, -1, -1).value();  // the whole sequence: never refused
+        drop_checkpoints(s, 0);
         s.tokens.clear();
         s.hits = 0;
-        for (auto& ck : s.checkpoints) store().release(*cache_, ck.state);
-        s.checkpoints.clear();
         s.generation = detail::seq_fingerprint(*cache_, seq);
+    }
+
+    // ---------------------------------------------------------------- prepare's journal
+    // prepare() on a memory with checkpoints (kv_cache of any layout, iswa_cache) runs under
+    // an undo journal: a checkpoint of the cache's metadata, its byte guard (the K/V of
+    // cells that were occupied when prepare began and are written again), the global prompt
+    // cache's batch (removals recorded, not yet dropped), the store's undo record (an
+    // undoable store without a global cache), the slots it changes (as they were) and the
+    // counters. A throw anywhere puts all of it back; the K-shift runs last (it is complete
+    // or nothing, and rotates in place). Checkpoints a slot drops are released when prepare
+    // returns (stores whose release cannot throw) or at once on a copy of the handle
+    // (undoable stores, whose record puts the cells back).
+    static constexpr bool strong_prepare = requires { typename Cache::checkpoint; };
+    static constexpr bool store_undoable = detail::undoable_store<Store, Cache>;
+
+    /// A slot as it was when prepare first changed it.
+    struct saved_slot {
+        std::size_t index = 0;
+        prompt_tokens tokens;
+        std::uint64_t hits = 0, salt = 0, last_used = 0, generation = 0;
+        bool busy = false, has_pending = false;
+        bool live_is_orig = true;             // the slot's checkpoints are still (a prefix of) its own
+        std::vector<checkpoint> dropped_orig;  // its own checkpoints dropped so far, in order
+    };
+    struct journal {
+        typename detail::checkpoint_or<Cache>::type cp{};
+        [[no_unique_address]] typename detail::undo_record_or<Store, store_undoable && !uses_global>::type store_undo{};
+        std::vector<saved_slot> saved;        // room for every slot
+        std::vector<checkpoint> released;     // checkpoints a slot got in this prepare and dropped
+        prefix_cache_metrics counters;
+        std::uint64_t clock = 0;
+        request_metrics last;
+        bool guard = false;
+    };
+    journal* j_ = nullptr;
+
+    void open_journal(journal& j) {
+        j.saved.reserve(slots_.size());
+        j.counters = counters_;
+        j.clock = clock_;
+        j.last = last_;
+        cache_->save_checkpoint(j.cp, detail::internal_access{});
+        if constexpr (store_undoable && !uses_global) store().save_undo(*cache_, j.store_undo);
+        if constexpr (uses_global) global_->begin_batch(*cache_, detail::internal_access{});
+        try {
+            cache_->begin_guard(j.cp, detail::internal_access{});
+        } catch (...) {
+            if constexpr (uses_global) global_->rollback_batch(*cache_, detail::internal_access{});
+            throw;
+        }
+        j_ = &j;
+    }
+    /// prepare succeeded: the dropped checkpoints are released, the batch's removals dropped.
+    void close_journal(journal& j) noexcept {
+        j_ = nullptr;
+        if constexpr (!store_undoable) {
+            static_assert(noexcept(std::declval<Store&>().release(std::declval<Cache&>(), std::declval<typename Store::handle&>())),
+                          "kvcache: slot_manager::prepare's journal needs a store whose release() cannot throw, "
+                          "or an undoable store (detail::undoable_store)");
+            for (saved_slot& sv : j.saved)
+                for (checkpoint& ck : sv.dropped_orig) store().release(*cache_, ck.state);
+            for (checkpoint& ck : j.released) store().release(*cache_, ck.state);
+        }
+        if constexpr (uses_global) global_->commit_batch(*cache_, detail::internal_access{});
+        cache_->end_guard(detail::internal_access{});
+    }
+    /// prepare threw: everything back as it was (never throws).
+    void rollback_journal(journal& j) noexcept {
+        j_ = nullptr;
+        for (saved_slot& sv : j.saved) {
+            slot& s = slots_[sv.index];
+            s.tokens = std::move(sv.tokens);
+            s.hits = sv.hits;
+            s.salt = sv.salt;
+            s.last_used = sv.last_used;
+            s.generation = sv.generation;
+            s.busy = sv.busy;
+            s.has_pending = sv.has_pending;
+            if (sv.live_is_orig) {  // a prefix of its own is left: the dropped suffix goes back (room kept)
+                for (checkpoint& ck : sv.dropped_orig) s.checkpoints.push_back(std::move(ck));
+            } else {  // replaced by copies of a global entry's: destroyed, not released
+                s.checkpoints = std::move(sv.dropped_orig);
+            }
+        }
+        j.released.clear();  // copies of a global entry's checkpoints: destroyed, not released
+        if constexpr (uses_global) global_->rollback_batch(*cache_, detail::internal_access{});
+        if constexpr (store_undoable && !uses_global) store().load_undo(*cache_, j.store_undo);
+        cache_->load_checkpoint(j.cp, detail::internal_access{});
+        cache_->rollback_guard(detail::internal_access{});
+        counters_ = j.counters;
+        clock_ = j.clock;
+        last_ = j.last;
+    }
+    /// Records slot i as it is before prepare's first change to it (no journal: nothing).
+    void touch(std::size_t i) {
+        if (j_ == nullptr) return;
+        for (const saved_slot& sv : j_->saved)
+            if (sv.index == i) return;
+        const slot& s = slots_[i];
+        saved_slot sv;
+        sv.index = i;
+        sv.tokens = s.tokens;
+        sv.hits = s.hits;
+        sv.salt = s.salt;
+        sv.last_used = s.last_used;
+        sv.generation = s.generation;
+        sv.busy = s.busy;
+        sv.has_pending = s.has_pending;
+        sv.dropped_orig.reserve(s.checkpoints.size());
+        j_->saved.push_back(std::move(sv));  // within the reserved room
+    }
+    saved_slot& saved_of(std::size_t i) noexcept {
+        for (saved_slot& sv : j_->saved)
+            if (sv.index == i) return sv;
+        KVCACHE_ASSERT(false);
+        return j_->saved.front();
+    }
+    /// Drops the slot's checkpoints from index k on (released; under the journal kept
+    /// until prepare returns, see above).
+    void drop_checkpoints(slot& s, std::size_t k) {
+        if (k >= s.checkpoints.size()) return;
+        if (j_ == nullptr) {
+            for (std::size_t i = k; i < s.checkpoints.size(); ++i) store().release(*cache_, s.checkpoints[i].state);
+            s.checkpoints.erase(s.checkpoints.begin() + static_cast<std::ptrdiff_t>(k), s.checkpoints.end());
+            return;
+        }
+        const std::size_t i = static_cast<std::size_t>(&s - slots_.data());
+        touch(i);
+        saved_slot& sv = saved_of(i);
+        if (!sv.live_is_orig) j_->released.reserve(j_->released.size() + (s.checkpoints.size() - k));
+        if constexpr (store_undoable)  // the cells go now (the undo records put them back); the handles stay
+            for (std::size_t c = k; c < s.checkpoints.size(); ++c) {
+                auto h = s.checkpoints[c].state;
+                store().release(*cache_, h);
+            }
+        const auto first = s.checkpoints.begin() + static_cast<std::ptrdiff_t>(k);
+        if (sv.live_is_orig)  // before the suffixes dropped earlier (within the reserved room)
+            sv.dropped_orig.insert(sv.dropped_orig.begin(), std::make_move_iterator(first),
+                                   std::make_move_iterator(s.checkpoints.end()));
+        else
+            j_->released.insert(j_->released.end(), std::make_move_iterator(first),
+                                std::make_move_iterator(s.checkpoints.end()));
+        s.checkpoints.erase(first, s.checkpoints.end());
     }
 
     /// Whether seq holds exactly positions [0, n) once each (under a window: ends at n - 1).
