@@ -222,6 +222,7 @@ void fip_sweep(const std::string& name, bool tight, bool strict,
                const std::function<void(fip_world<Cache, Store>&)>& prep = {}, bool free_bytes = true) {
     CAPTURE(name);
     int throws = 0;
+    std::string last;
     for (long n = 1;; ++n) {
         CAPTURE(n);
         fip_world<Cache, Store> w(tight), twin(tight);
@@ -245,6 +246,7 @@ void fip_sweep(const std::string& name, bool tight, bool strict,
         }
         fi::disarm();
         if (!threw) {
+            last = got;
             const std::string want = op(twin);
             CHECK(got == want);
             CHECK(fip_first_diff(fip_observe(w.cache, w.slots), fip_observe(twin.cache, twin.slots)) == "");
@@ -265,7 +267,7 @@ void fip_sweep(const std::string& name, bool tight, bool strict,
     }
     fip_total_throws += throws;
     const std::string what = strict ? "each left everything as it was" : "after each nothing was served wrong";
-    const std::string line = name + ": " + std::to_string(throws) + " injected failures, " + what;
+    const std::string line = name + ": " + std::to_string(throws) + " injected failures, " + what + " (result: " + last + ")";
     MESSAGE(line);
 }
 
@@ -296,6 +298,34 @@ void fip_sweep_all(bool tight) {
                             false);
     fip_sweep<Cache, Store>("prepare: a new prompt (room made by eviction when tight)", tight, true, prepare(fresh, 2), {},
                             false);
+    // Another tenant's entry into slot 0: slot 0's own state (tenant 0) is dropped and the
+    // entry is loaded into the cells that freed (copy_store writes K/V there); a throw
+    // after that (making room for the 40 new positions evicts slot 2's state when tight)
+    // must bring slot 0's K/V back (the byte guard). A host seq_rm under slot 1 also makes
+    // prepare drop slot 1's state first (its cells changed).
+    const prompt_tokens other = toy::text(20, 11000);
+    auto tenant7 = [other](world& w) {
+        request_options ro;
+        ro.slot_id = 2;
+        ro.salt = 7;
+        auto p = w.slots.prepare(other, ro).value();
+        toy::fill(w.cache, p.seq, other, p.n_past, p.n_request);
+        w.slots.commit_prompt(2);
+        w.slots.release(2);  // tight (paged): no free block is left
+        static_cast<void>(w.cache.seq_rm(w.slots.seq_of(1), 20, -1));  // slot 1's cells change under it
+    };
+    fip_sweep<Cache, Store>(
+        "prepare: another tenant's entry into slot 0 (its cells freed and written again)", tight, true,
+        [other](world& w) {
+            request_options ro;
+            ro.slot_id = 0;
+            ro.salt = 7;
+            auto p = w.slots.prepare(toy::cat(other, toy::text(40, 12000)), ro);  // tight: room made after the load
+            fi::disarm();
+            if (!p) return fip_describe(p);
+            return "n_past " + std::to_string(p.value().n_past) + " global " + std::to_string(p.value().metrics.from_global);
+        },
+        tenant7, false);
     auto prepared = [fresh](world& w) {
         request_options ro;
         ro.slot_id = 2;
@@ -443,6 +473,32 @@ TEST_CASE("fault injection: slots and prompt cache, paged, copy_store, no free b
 }
 TEST_CASE("fault injection: slots and prompt cache, paged, shared_store") {
     fip_sweep_all<paged_g, shared_store<paged_g>>(false);
+}
+
+TEST_CASE("fault injection: prepare with chunk reuse and its K-shift is strong") {
+    using chunk_g = kv_cache<f32, reuse::global<reuse::chunk_shift<8>>>;
+    // Slot 0 holds fip_a (tokens 1000..1039); the request drops tokens 8 and 9 of it: the
+    // chunk policy keeps the rest of fip_a, moved by -2, and prepare rotates their K last.
+    const prompt_tokens edited = toy::cat(toy::cat(toy::text(8, 1000), toy::text(30, 1010)), toy::text(2, 61000));
+    auto op = [edited](fip_world<chunk_g, copy_store<chunk_g>>& w) {
+        request_options ro;
+        ro.slot_id = 0;
+        auto p = w.slots.prepare(edited, ro);
+        fi::disarm();
+        if (!p) return fip_describe(p);
+        return "n_past " + std::to_string(p.value().n_past) + " shifted " + std::to_string(p.value().metrics.from_shift) +
+               " pending " + std::to_string(p.value().k_shift_pending);
+    };
+    {  // the scenario does what it says
+        fip_world<chunk_g, copy_store<chunk_g>> w(false);
+        request_options ro;
+        ro.slot_id = 0;
+        auto p = w.slots.prepare(edited, ro).value();
+        REQUIRE(p.metrics.from_shift > 0);
+        CHECK_FALSE(p.k_shift_pending);
+        CHECK(w.cache.seq_pos_max(p.seq) == static_cast<pos_t>(p.n_past) - 1);  // the moved chunk ends at n_past
+    }
+    fip_sweep<chunk_g, copy_store<chunk_g>>("prepare: chunk reuse with a K-shift", false, true, op, {}, false);
 }
 
 namespace {
