@@ -44,8 +44,15 @@
 // release too (the uncommitted positions it removes are put back from a cache
 // checkpoint, the global save is strong), except when it has to drop the slot's state
 // (the host changed the slot's cells): then it is compound, the slot stays busy holding
-// nothing that can be served, and release() can be called again. prepare is a sequence
-// of such steps: when one throws, nothing is ever served wrong: the cache stays
+// nothing that can be served, and release() can be called again. prepare on a kv_cache
+// (any layout) or an iswa_cache is strong too: any exception leaves the cache (metadata,
+// indexes, block tables, the K/V of every occupied cell), the slots, the store and the
+// global prompt cache as they were, through an undo journal (see "prepare's journal"
+// below; it costs a copy of the cell table per call: slot_options::strong_prepare = false
+// turns it off). The storage tiers may keep a promotion the fetch queued (a copy of a blob
+// they hold) and count the fetch. On recurrent_memory and hybrid_memory (no checkpoint
+// of a recurrent state), and with strong_prepare off, prepare is a sequence of steps each
+// complete or nothing: when one throws, nothing is ever served wrong: the cache stays
 // consistent, no slot is left busy, every idle slot's tokens are what its sequence holds
 // (the slot being prepared forgets its tokens, so the next prepare recomputes) and every
 // global entry is intact (a load that threw left it in the cache).
@@ -129,6 +136,10 @@ struct slot_options {
     prompt_cache_limits cache_limits{};  ///< F21: limits of the global prompt cache (reuse::global only)
     bool apply_k_shift = true;        ///< F20: rotate moved K in prepare (else the host calls ops::apply_k_shift)
     int n_threads = 0;                ///< threads of that K-shift (<= 0: OpenMP default)
+    /// prepare() with the strong guarantee (kv_cache and iswa_cache: an undo journal, see
+    /// "Allocation failure" in the file comment; it copies the cell table once per call).
+    /// false: compound, as on the memories without checkpoints.
+    bool strong_prepare = true;
 };
 
 /// Per-request options.
@@ -399,8 +410,10 @@ public:
     /// ring pruned) the slot's state is dropped and the whole request is computed (n_past 0).
     /// Last, room is made for the positions left to compute by evicting shared_store entries
     /// and idle slot states, complete or nothing (see "Room" in the file comment).
-    /// Under std::bad_alloc: compound, not strong (the K-shift rotates K in place; invalid
-    /// states dropped, entries loaded or evicted before the throw stay so): each step is
+    /// The K-shift (apply_k_shift) runs last, after every other step that can throw.
+    /// Strong on kv_cache and iswa_cache: when anything throws (std::bad_alloc, a refused
+    /// plan) everything is as before the call, the K/V of occupied cells included; on the
+    /// other memories (or with slot_options::strong_prepare off) compound: each step is
     /// complete or nothing and nothing is ever served wrong (see the file comment).
     [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
@@ -415,6 +428,7 @@ public:
                                                      std::to_string(tiers_.opt.scratch_seq) +
                                                      " holds positions; it is reserved for tier loads");
         if constexpr (strong_prepare) {
+            if (!opt_.strong_prepare) return prepare_steps(request, ro, reuse_on);
             journal j;
             open_journal(j);  // may throw std::bad_alloc: nothing changed yet
             try {
@@ -451,7 +465,7 @@ private:
             return detail::make_error(errc::no_space, "slot_manager::prepare: every one of the " +
                                                           std::to_string(slots_.size()) + " slots is busy");
         slot& s = slots_[static_cast<std::size_t>(id)];
-        if constexpr (strong_prepare) {
+        if (j_ != nullptr) {
             return prepare_slot(request, ro, reuse_on, lost_invalid, id);  // the journal undoes a throw
         } else {
             // Without a journal the slot's sequence changes step by step (each step complete
