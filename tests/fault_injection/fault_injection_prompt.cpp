@@ -20,6 +20,7 @@
 #include <kvcache/kvcache.hpp>
 #include <kvcache/layout/paged.hpp>
 
+#include <algorithm>
 #include <functional>
 #include <iterator>
 #include <map>
@@ -28,6 +29,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "prompt/toy_model.hpp"
 #include "support/fault_alloc.hpp"  // the counting operator new (this file is its only user here)
@@ -74,10 +76,13 @@ template <class Cache, class Slots>
 std::string fip_observe(const Cache& cache, Slots& slots, bool free_bytes = true) {
     std::ostringstream os;
     for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
-    if (free_bytes) os << fip_raw(cache);
+    if constexpr (requires { cache.storage(); })
+        if (free_bytes) os << fip_raw(cache);
     for (std::uint32_t i = 0; i < slots.n_slots(); ++i) {
         const int id = static_cast<int>(i);
-        os << "slot " << i << (slots.busy(id) ? " busy" : " idle") << " ck " << slots.n_checkpoints(id) << " tokens";
+        os << "slot " << i << (slots.busy(id) ? " busy" : " idle") << " ck";
+        for (const auto& [lo, hi] : slots.checkpoint_spans(id)) os << " [" << lo << ", " << hi << "]";
+        os << " tokens";
         for (std::size_t t = 0; t < slots.tokens(id).size(); ++t) os << ' ' << slots.tokens(id)[t];
         os << '\n';
     }
@@ -215,17 +220,22 @@ std::string fip_first_diff(const std::string& a, const std::string& b) {
     }
 }
 
-/// Sweeps N = 1, 2, ... for `op` on fresh worlds; `prep` runs unarmed on both first.
 template <class Cache, class Store>
 void fip_sweep(const std::string& name, bool tight, bool strict,
                const std::function<std::string(fip_world<Cache, Store>&)>& op,
-               const std::function<void(fip_world<Cache, Store>&)>& prep = {}, bool free_bytes = true) {
+               const std::function<void(fip_world<Cache, Store>&)>& prep = {}, bool free_bytes = true);
+
+/// Sweeps N = 1, 2, ... for `op` on fresh worlds; `prep` runs unarmed on both first.
+/// (A world other than fip_world is swept strictly only.)
+template <class World>
+void fip_sweep_world(const std::string& name, bool tight, bool strict, const std::function<std::string(World&)>& op,
+                     const std::function<void(World&)>& prep = {}, bool free_bytes = true) {
     CAPTURE(name);
     int throws = 0;
     std::string last;
     for (long n = 1;; ++n) {
         CAPTURE(n);
-        fip_world<Cache, Store> w(tight), twin(tight);
+        World w(tight), twin(tight);
         if (prep) {
             prep(w);
             prep(twin);
@@ -254,7 +264,11 @@ void fip_sweep(const std::string& name, bool tight, bool strict,
         }
         ++throws;
         if (!strict) {
-            fip_check_consistent(w, busy_before);
+            if constexpr (requires { fip_check_consistent(w, busy_before); }) {
+                fip_check_consistent(w, busy_before);
+            } else {
+                FAIL("only fip_world is swept without strict");
+            }
             REQUIRE(n < 100000);
             continue;
         }
@@ -269,6 +283,13 @@ void fip_sweep(const std::string& name, bool tight, bool strict,
     const std::string what = strict ? "each left everything as it was" : "after each nothing was served wrong";
     const std::string line = name + ": " + std::to_string(throws) + " injected failures, " + what + " (result: " + last + ")";
     MESSAGE(line);
+}
+
+template <class Cache, class Store>
+void fip_sweep(const std::string& name, bool tight, bool strict,
+               const std::function<std::string(fip_world<Cache, Store>&)>& op,
+               const std::function<void(fip_world<Cache, Store>&)>& prep, bool free_bytes) {
+    fip_sweep_world<fip_world<Cache, Store>>(name, tight, strict, op, prep, free_bytes);
 }
 
 template <class R>
@@ -473,6 +494,135 @@ TEST_CASE("fault injection: slots and prompt cache, paged, copy_store, no free b
 }
 TEST_CASE("fault injection: slots and prompt cache, paged, shared_store") {
     fip_sweep_all<paged_g, shared_store<paged_g>>(false);
+}
+
+namespace {
+// Memories with a sliding window (F23): a ring<8> kv_cache (copy_store entries) and an
+// iswa_cache (full layers beside a ring; state_store entries), the slots saving
+// checkpoints where prepare lists them. prepare re-enters a window, restores a checkpoint
+// (a copy loaded into the cells of the slot's own region, which held its state), loads a
+// global entry with its checkpoints: each strong.
+constexpr std::uint32_t fw_w = 8;
+using ring_g = kv_cache<f32, ring<fw_w>, reuse::global<>>;
+using iswa_g = iswa_cache<fw_w, f32, reuse::global<>>;
+
+model_shape fw_shape(std::uint32_t n_layer, std::uint32_t n_cells) {
+    model_shape s = toy::shape(n_cells, 9);
+    s.n_layer = n_layer;
+    return s;
+}
+ring_g fw_make(std::type_identity<ring_g>) { return ring_g(fw_shape(2, ring<fw_w>::cells_for(9, 4))); }
+iswa_g fw_make(std::type_identity<iswa_g>) {
+    iswa_shape s;
+    s.shape = fw_shape(4, 512);
+    s.swa_layers = iswa_shape::every_nth_full(4, 2);
+    s.swa_n_cells = ring<fw_w>::cells_for(9, 4);
+    return iswa_g(s);
+}
+const model_shape& fw_model(const ring_g& c) { return c.shape(); }
+const model_shape& fw_model(const iswa_g& c) { return c.full().shape(); }
+std::uint32_t fw_layers(const ring_g& c) { return c.shape().n_layer; }
+std::uint32_t fw_layers(const iswa_g& c) { return c.n_layer(); }
+
+/// Computes positions [from, to) of p into seq one at a time (the ring's region takes a
+/// few per batch), saving a checkpoint of the slot where `at` lists one.
+template <class Cache, class Slots>
+void fw_fill(Cache& c, Slots& slots, int slot, const prompt_tokens& p, std::size_t from, std::size_t to,
+             const std::vector<std::uint32_t>& at) {
+    const model_shape& sh = fw_model(c);
+    const seq_id_t s = slots.seq_of(slot);
+    const auto ks = toy::keys(p, false);
+    for (std::size_t i = from; i < to; ++i) {
+        const pos_t pos[1] = {static_cast<pos_t>(i)};
+        const seq_id_t seq[1] = {s};
+        auto r = c.place(pos, seq);
+        REQUIRE(r);
+        const toy::rows rows = toy::compute(sh, ks[i], static_cast<pos_t>(i));
+        for (std::uint32_t l = 0; l < fw_layers(c); ++l) {
+            const std::uint32_t ml = l % sh.n_layer;
+            if constexpr (std::same_as<Cache, iswa_g>) {
+                c.write_k(l, r.value(), rows.k[ml].data());
+                c.write_v(l, r.value(), rows.v[ml].data());
+            } else {
+                c.write_k(l, r.value().cells, rows.k[ml].data());
+                c.write_v(l, r.value().cells, rows.v[ml].data());
+            }
+        }
+        REQUIRE(c.commit() == tx_result::committed);
+        if (std::find(at.begin(), at.end(), static_cast<std::uint32_t>(i + 1)) != at.end())
+            REQUIRE(slots.save_checkpoint(slot));
+    }
+}
+
+template <class Cache, class Store>
+struct fw_world {
+    Cache cache;
+    slot_manager<Cache, Store> slots;
+    static slot_options options() {
+        slot_options o;
+        o.n_slots = 3;
+        o.n_swa = fw_w;
+        o.checkpoint_every = 8;
+        return o;
+    }
+    explicit fw_world(bool) : cache(fw_make(std::type_identity<Cache>{})), slots(cache, options()) {
+        request(fip_a, 0);
+        request(fip_b, 1);
+    }
+    void request(const prompt_tokens& req, int slot) {
+        request_options ro;
+        ro.slot_id = slot;
+        auto p = slots.prepare(req, ro).value();
+        fw_fill(cache, slots, slot, req, p.n_past, p.n_request, p.checkpoints);
+        slots.commit_prompt(slot);
+        slots.release(slot);
+    }
+};
+
+template <class Cache, class Store>
+void fw_sweep_all() {
+    using world = fw_world<Cache, Store>;
+    auto prepare = [](const prompt_tokens& req, int slot_id) {
+        return [req, slot_id](world& w) {
+            request_options ro;
+            ro.slot_id = slot_id;
+            auto p = w.slots.prepare(req, ro);
+            fi::disarm();
+            if (!p) return fip_describe(p);
+            const request_metrics& m = p.value().metrics;
+            return "n_past " + std::to_string(p.value().n_past) + " slot " + std::to_string(p.value().slot) + " global " +
+                   std::to_string(m.from_global) + " checkpoint " + std::to_string(m.checkpoint_restored);
+        };
+    };
+    const prompt_tokens diverging = toy::cat(toy::text(20, 1000), toy::text(10, 5000));  // fip_a's first 20, then new
+    fip_sweep_world<world>("window: exact repeat re-enters the slot's window", false, true, prepare(fip_a, 0), {}, false);
+    fip_sweep_world<world>("window: a request diverging at 20 restores the slot's checkpoint", false, true,
+                           prepare(diverging, 0), {}, false);
+    fip_sweep_world<world>("window: the global entry of fip_a with its checkpoints, into slot 2", false, true,
+                           prepare(diverging, 2), {}, false);
+    {  // the scenarios do what they say
+        world w(false);
+        request_options ro;
+        ro.slot_id = 0;
+        const prompt_tokens& a = fip_a;
+        CHECK(w.slots.prepare(a, ro).value().n_past == a.size() - 1);
+        w.slots.release(0);
+        auto p = w.slots.prepare(diverging, ro).value();
+        CHECK(p.metrics.checkpoint_restored);
+        CHECK(p.n_past == 16);
+        w.slots.release(0);
+        ro.slot_id = 2;
+        auto q = w.slots.prepare(diverging, ro).value();
+        CHECK(q.metrics.from_global > 0);
+    }
+}
+}  // namespace
+
+TEST_CASE("fault injection: prepare on a ring layout with checkpoints (copy_store) is strong") {
+    fw_sweep_all<ring_g, copy_store<ring_g>>();
+}
+TEST_CASE("fault injection: prepare on an iswa_cache with checkpoints (state_store) is strong") {
+    fw_sweep_all<iswa_g, state_store<iswa_g>>();
 }
 
 TEST_CASE("fault injection: prepare with chunk reuse and its K-shift is strong") {

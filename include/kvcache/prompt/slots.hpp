@@ -51,7 +51,8 @@
 // below; it costs a copy of the cell table per call: slot_options::strong_prepare = false
 // turns it off). The storage tiers may keep a promotion the fetch queued (a copy of a blob
 // they hold) and count the fetch. On recurrent_memory and hybrid_memory (no checkpoint
-// of a recurrent state), and with strong_prepare off, prepare is a sequence of steps each
+// of a recurrent state), with a custom store whose release() may throw and that keeps no
+// undo record, and with strong_prepare off, prepare is a sequence of steps each
 // complete or nothing: when one throws, nothing is ever served wrong: the cache stays
 // consistent, no slot is left busy, every idle slot's tokens are what its sequence holds
 // (the slot being prepared forgets its tokens, so the next prepare recomputes) and every
@@ -271,6 +272,12 @@ public:
     [[nodiscard]] const prompt_tokens& tokens(int slot) const { return slots_[check_slot("tokens", slot)].tokens; }
     [[nodiscard]] bool busy(int slot) const { return slots_[check_slot("busy", slot)].busy; }
     [[nodiscard]] std::size_t n_checkpoints(int slot) const { return slots_[check_slot("n_checkpoints", slot)].checkpoints.size(); }
+    /// The positions [pos_min, pos_max] each of the slot's checkpoints holds, oldest first.
+    [[nodiscard]] std::vector<std::pair<pos_t, pos_t>> checkpoint_spans(int slot) const {
+        std::vector<std::pair<pos_t, pos_t>> out;
+        for (const checkpoint& ck : slots_[check_slot("checkpoint_spans", slot)].checkpoints) out.emplace_back(ck.pos_min, ck.pos_max);
+        return out;
+    }
     /// Store bytes of the slot's checkpoints (bounded by slot_options::max_checkpoint_bytes).
     [[nodiscard]] std::size_t checkpoint_bytes(int slot) {
         std::size_t n = 0;
@@ -892,8 +899,13 @@ private:
     // or nothing, and rotates in place). Checkpoints a slot drops are released when prepare
     // returns (stores whose release cannot throw) or at once on a copy of the handle
     // (undoable stores, whose record puts the cells back).
-    static constexpr bool strong_prepare = requires { typename Cache::checkpoint; };
     static constexpr bool store_undoable = detail::undoable_store<Store, Cache>;
+    /// A memory with checkpoints, and a store that undoes its own changes or whose
+    /// release() cannot throw (a custom store with a throwing release: compound).
+    static constexpr bool strong_prepare =
+        requires { typename Cache::checkpoint; } &&
+        (store_undoable ||
+         noexcept(std::declval<Store&>().release(std::declval<Cache&>(), std::declval<typename Store::handle&>())));
 
     /// A slot as it was when prepare first changed it.
     struct saved_slot {
@@ -935,10 +947,7 @@ private:
     /// prepare succeeded: the dropped checkpoints are released, the batch's removals dropped.
     void close_journal(journal& j) noexcept {
         j_ = nullptr;
-        if constexpr (!store_undoable) {
-            static_assert(noexcept(std::declval<Store&>().release(std::declval<Cache&>(), std::declval<typename Store::handle&>())),
-                          "kvcache: slot_manager::prepare's journal needs a store whose release() cannot throw, "
-                          "or an undoable store (detail::undoable_store)");
+        if constexpr (!store_undoable) {  // release() cannot throw (strong_prepare)
             for (saved_slot& sv : j.saved)
                 for (checkpoint& ck : sv.dropped_orig) store().release(*cache_, ck.state);
             for (checkpoint& ck : j.released) store().release(*cache_, ck.state);
