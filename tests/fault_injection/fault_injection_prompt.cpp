@@ -394,6 +394,17 @@ void fip_sweep_all(bool tight) {
             next.push_back(90001);
             toy::fill(w.cache, w.slots.seq_of(2), next, next.size() - 1, next.size());  // never appended
         });
+    fip_sweep<Cache, Store>(
+        "release after the host changed the slot's cells (its state dropped)", tight, true,
+        [](world& w) {
+            w.slots.release(2);
+            return std::to_string(w.slots.tokens(2).size());
+        },
+        [prepared](world& w) {
+            prepared(w);
+            w.slots.commit_prompt(2);
+            static_cast<void>(w.cache.seq_rm(w.slots.seq_of(2), 5, 10));  // a hole: the slot's state cannot be served
+        });
     fip_sweep<Cache, Store>("clear_slot", tight, true, [](world& w) {
         w.slots.clear_slot(0);
         return std::string("ok");

@@ -42,9 +42,10 @@
 // Allocation failure (std::bad_alloc; tests/fault_injection/fault_injection_prompt.cpp):
 // commit_prompt, append, save_checkpoint and clear_slot complete or change nothing;
 // release too (the uncommitted positions it removes are put back from a cache
-// checkpoint, the global save is strong), except when it has to drop the slot's state
-// (the host changed the slot's cells): then it is compound, the slot stays busy holding
-// nothing that can be served, and release() can be called again. prepare on a kv_cache
+// checkpoint, the global save is strong; a slot state it drops because the host changed
+// the slot's cells comes back through the journal below, on the memories that have one;
+// on the others the slot then stays busy holding nothing that can be served, and
+// release() can be called again). prepare on a kv_cache
 // (any layout) or an iswa_cache is strong too: any exception leaves the cache (metadata,
 // indexes, block tables, the K/V of every occupied cell), the slots, the store and the
 // global prompt cache as they were, through an undo journal (see "prepare's journal"
@@ -434,21 +435,8 @@ public:
             detail::fail(errc::invalid_argument, "slot_manager::prepare: the tier scratch sequence " +
                                                      std::to_string(tiers_.opt.scratch_seq) +
                                                      " holds positions; it is reserved for tier loads");
-        if constexpr (strong_prepare) {
-            if (!opt_.strong_prepare) return prepare_steps(request, ro, reuse_on);
-            journal j;
-            open_journal(j);  // may throw std::bad_alloc: nothing changed yet
-            try {
-                result<prepared_request> out = prepare_steps(request, ro, reuse_on);
-                close_journal(j);
-                return out;
-            } catch (...) {
-                rollback_journal(j);
-                throw;
-            }
-        } else {
-            return prepare_steps(request, ro, reuse_on);
-        }
+        if (!opt_.strong_prepare) return prepare_steps(request, ro, reuse_on);
+        return journaled(true, [&] { return prepare_steps(request, ro, reuse_on); });
     }
 
 private:
@@ -725,17 +713,24 @@ public:
     /// sequence holds exactly tokens(slot); when the layout refuses that truncation (a ring
     /// whose window pruned the positions the next token would need) the slot's state is
     /// dropped instead. Throws transaction_open if placements are staged.
-    /// Under std::bad_alloc: bit-identical (the slot stays busy, the removed uncommitted
-    /// positions are put back from a cache checkpoint, the global save is strong; call
-    /// release() again), except when the slot's state had to be dropped (the host changed
-    /// the slot's cells, or the layout refused the truncation): then compound, the slot
-    /// stays busy holding nothing that can be served. On a memory without checkpoints
-    /// (recurrent_memory, hybrid_memory) removed uncommitted positions stay removed.
+    /// Under std::bad_alloc: bit-identical on kv_cache and iswa_cache (the slot stays busy,
+    /// everything as before the call, a dropped state included, through prepare's journal;
+    /// call release() again). On a memory without checkpoints (recurrent_memory,
+    /// hybrid_memory) removed uncommitted positions stay removed, and when the slot's
+    /// state had to be dropped (the host changed the slot's cells, or the layout refused
+    /// the truncation) the slot stays busy holding nothing that can be served.
     void release(int slot_id) {
         slot& s = slots_[check_slot("release", slot_id)];
         if (!s.busy) return;
         if (cache_->in_transaction())
             detail::fail(errc::transaction_open, "slot_manager::release: placements are staged; commit() or restore() first");
+        journaled(false, [&] { release_steps(slot_id); });
+    }
+
+private:
+    /// release() once the arguments are checked (under the journal where there is one).
+    void release_steps(int slot_id) {
+        slot& s = slots_[static_cast<std::size_t>(slot_id)];
         const seq_id_t seq = opt_.first_seq + slot_id;
         const bool changed = s.generation != detail::seq_fingerprint(*cache_, seq);  // since the last commit_prompt / append
         // Undo record of the uncommitted positions removed below: a throw afterwards (the
@@ -799,6 +794,7 @@ public:
         s.generation = detail::seq_fingerprint(*cache_, seq);
     }
 
+public:
     /// Empties the slot (its sequence and tokens); the slot must be idle.
     void clear_slot(int slot_id) {
         slot& s = slots_[check_slot("clear_slot", slot_id)];
@@ -928,14 +924,17 @@ private:
     };
     journal* j_ = nullptr;
 
-    void open_journal(journal& j) {
+    /// batch: the global prompt cache's removals are recorded (prepare); release() saves
+    /// into it instead (a save is strong by itself and the last step that can throw).
+    void open_journal(journal& j, bool batch) {
         j.saved.reserve(slots_.size());
         j.counters = counters_;
         j.clock = clock_;
         j.last = last_;
         cache_->save_checkpoint(j.cp, detail::internal_access{});
         if constexpr (store_undoable && !uses_global) store().save_undo(*cache_, j.store_undo);
-        if constexpr (uses_global) global_->begin_batch(*cache_, detail::internal_access{});
+        if constexpr (uses_global)
+            if (batch) global_->begin_batch(*cache_, detail::internal_access{});
         try {
             cache_->begin_guard(j.cp, detail::internal_access{});
         } catch (...) {
@@ -943,6 +942,29 @@ private:
             throw;
         }
         j_ = &j;
+    }
+    /// Runs f() under a journal (the memories with checkpoints), else as it is.
+    template <class F>
+    decltype(auto) journaled(bool batch, F&& f) {
+        if constexpr (strong_prepare) {
+            journal j;
+            open_journal(j, batch);  // may throw std::bad_alloc: nothing changed yet
+            try {
+                if constexpr (std::is_void_v<decltype(f())>) {
+                    f();
+                    close_journal(j);
+                } else {
+                    auto out = f();
+                    close_journal(j);
+                    return out;
+                }
+            } catch (...) {
+                rollback_journal(j);
+                throw;
+            }
+        } else {
+            return f();
+        }
     }
     /// prepare succeeded: the dropped checkpoints are released, the batch's removals dropped.
     void close_journal(journal& j) noexcept {
