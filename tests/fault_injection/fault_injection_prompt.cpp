@@ -19,6 +19,7 @@
 
 #include <kvcache/kvcache.hpp>
 #include <kvcache/layout/paged.hpp>
+#include <kvcache/tier/tier_cache.hpp>
 
 #include <algorithm>
 #include <functional>
@@ -634,6 +635,83 @@ TEST_CASE("fault injection: prepare on a ring layout with checkpoints (copy_stor
 }
 TEST_CASE("fault injection: prepare on an iswa_cache with checkpoints (state_store) is strong") {
     fw_sweep_all<iswa_g, state_store<iswa_g>>();
+}
+
+namespace {
+/// A contiguous cache whose only copy of fip_a is in a memory tier under the slots: the
+/// slot and the global cache forgot it.
+struct ft_world {
+    tier::tier_cache<contig_g, tier::memory_tier> chain{{.block_tokens = 16}, tier::memory_tier()};
+    contig_g cache;
+    slot_manager<contig_g, copy_store<contig_g>> slots;
+    explicit ft_world(bool)
+        : cache(toy::shape(256, 9)), slots(cache, [] {
+              slot_options o;
+              o.n_slots = 3;
+              return o;
+          }()) {
+        slots.attach_tiers(chain, {.scratch_seq = 6});
+        fip_request(slots, cache, fip_a, 0);  // published to the tier on release
+        fip_request(slots, cache, fip_b, 1);
+        slots.clear_slot(0);
+        slots.global_cache().clear(cache);
+    }
+};
+}  // namespace
+
+TEST_CASE("fault injection: prepare served from a storage tier is strong") {
+    const prompt_tokens longer = toy::cat(fip_a, toy::text(3, 7000));
+    auto op = [longer](ft_world& w) {
+        request_options ro;
+        ro.slot_id = 2;
+        auto p = w.slots.prepare(longer, ro);
+        fi::disarm();
+        if (!p) return fip_describe(p);
+        return "n_past " + std::to_string(p.value().n_past) + " tier " + std::to_string(p.value().metrics.from_tier);
+    };
+    {
+        ft_world w(false);
+        request_options ro;
+        ro.slot_id = 2;
+        CHECK(w.slots.prepare(longer, ro).value().metrics.from_tier > 0);
+    }
+    // A failure inside the tier fetch is absorbed (a miss, tier_fetch_errors: prepare
+    // completes, serving what the slot and global cache kept); any other leaves everything
+    // as it was. The tiers' own counters count the fetches of failed calls: not compared.
+    long throws = 0, absorbed = 0;
+    for (long n = 1;; ++n) {
+        CAPTURE(n);
+        ft_world w(false), twin(false);
+        const std::string before = fip_observe(w.cache, w.slots, false);
+        const long injected = fi::injected.load();
+        std::string got;
+        bool threw = false;
+        fi::arm(n);
+        try {
+            got = op(w);
+        } catch (const std::bad_alloc&) {
+            threw = true;
+        }
+        fi::disarm();
+        if (threw) {
+            ++throws;
+            REQUIRE(fip_first_diff(before, fip_observe(w.cache, w.slots, false)) == "");
+            continue;
+        }
+        if (fi::injected.load() != injected) {  // absorbed: the request is served from what prepare kept
+            ++absorbed;
+            REQUIRE(w.slots.metrics().tier_fetch_errors == 1);
+            REQUIRE(toy::max_error(w.cache, w.slots.seq_of(2), longer, w.cache.seq_pos_max(w.slots.seq_of(2)) + 1) == 0.0);
+            continue;
+        }
+        CHECK(got == op(twin));
+        CHECK(fip_first_diff(fip_observe(w.cache, w.slots, false), fip_observe(twin.cache, twin.slots, false)) == "");
+        break;
+    }
+    CHECK(throws > 0);
+    fip_total_throws += throws;
+    MESSAGE("prepare: a prefix from the memory tier: " << throws << " injected failures left everything as it was, "
+                                                          << absorbed << " absorbed by the tier fetch (a miss)");
 }
 
 TEST_CASE("fault injection: prepare with chunk reuse and its K-shift is strong") {
