@@ -209,6 +209,23 @@ void fip_check_consistent(fip_world<Cache, Store>& w, const std::vector<bool>& b
         }
 }
 
+/// Runs f with the n-th allocation failing; whether it threw std::bad_alloc.
+template <class F>
+bool fip_armed(long n, F&& f) {
+    fi::arm(n);
+    try {
+        f();
+    } catch (const std::bad_alloc&) {
+        fi::disarm();
+        return true;
+    } catch (...) {
+        fi::disarm();
+        throw;
+    }
+    fi::disarm();
+    return false;
+}
+
 /// The first line where two observations differ (doctest would print both whole).
 std::string fip_first_diff(const std::string& a, const std::string& b) {
     std::istringstream x(a), y(b);
@@ -245,17 +262,7 @@ void fip_sweep_world(const std::string& name, bool tight, bool strict, const std
         std::vector<bool> busy_before;
         for (std::uint32_t i = 0; i < w.slots.n_slots(); ++i) busy_before.push_back(w.slots.busy(static_cast<int>(i)));
         std::string got;
-        bool threw = false;
-        fi::arm(n);
-        try {
-            got = op(w);
-        } catch (const std::bad_alloc&) {
-            threw = true;
-        } catch (...) {
-            fi::disarm();
-            throw;
-        }
-        fi::disarm();
+        const bool threw = fip_armed(n, [&] { got = op(w); });
         if (!threw) {
             last = got;
             const std::string want = op(twin);
@@ -685,14 +692,7 @@ TEST_CASE("fault injection: prepare served from a storage tier is strong") {
         const std::string before = fip_observe(w.cache, w.slots, false);
         const long injected = fi::injected.load();
         std::string got;
-        bool threw = false;
-        fi::arm(n);
-        try {
-            got = op(w);
-        } catch (const std::bad_alloc&) {
-            threw = true;
-        }
-        fi::disarm();
+        const bool threw = fip_armed(n, [&] { got = op(w); });
         if (threw) {
             ++throws;
             REQUIRE(fip_first_diff(before, fip_observe(w.cache, w.slots, false)) == "");
