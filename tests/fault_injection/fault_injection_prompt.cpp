@@ -4,17 +4,17 @@
 // operator new that throws std::bad_alloc at the N-th allocation, N = 1, 2, ... until it
 // completes, on the contiguous and the paged layout with copy_store and shared_store
 // entries.
-// Strong operations (every one but prepare): after each throw everything is as it was
-// before the call (fip_observe: the cache's cell metadata, indexes, block tables,
-// refcounts and the raw K/V bytes of every cell, free ones too; every slot: tokens, busy,
-// checkpoints; the global cache: entries, their eviction stats and order, the radix
-// index node by node, the remembered evicted keys and their index, the store's free
-// sequence ids; every counter), and the same call, run again, gives what it gives on an
-// untouched twin.
-// prepare (compound: documented in slots.hpp): after each throw nothing is served wrong:
-// the cache is consistent, no slot was left busy, every idle slot's tokens match its K/V
-// exactly, every entry loads the K/V of its tokens or is refused, and the next request is
-// served exactly.
+// Every operation is strong: after each throw everything is as it was before the call
+// (fip_observe: the cache's cell metadata, indexes, block tables, refcounts, the K/V
+// bytes of every occupied cell (and, but for prepare, of the free ones too), recurrent
+// states; every slot: tokens, busy, checkpoints; the global cache: entries, their
+// eviction stats and order, the radix index node by node, the remembered evicted keys
+// and their index, the store's free sequence ids; every counter), and the same call, run
+// again, gives what it gives on an untouched twin. prepare and release run under the
+// slot manager's undo journal; they are swept on contiguous, paged, ring, ISWA and
+// hybrid memories, with chunk reuse (K-shift), checkpoints and a storage tier. The
+// compound check (fip_check_consistent: nothing served wrong) remains for a sweep that
+// asks for it.
 #include <doctest/doctest.h>
 
 #include <kvcache/kvcache.hpp>
@@ -76,7 +76,17 @@ std::string fip_raw(const Cache& cache) {
 template <class Cache, class Slots>
 std::string fip_observe(const Cache& cache, Slots& slots, bool free_bytes = true) {
     std::ostringstream os;
-    for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
+    if constexpr (requires { cache.recurrent(); }) {  // hybrid_memory: both parts
+        for (const auto& line : kvtest::snapshot(cache.attention()).lines) os << line << '\n';
+        const recurrent_memory& r = cache.recurrent();
+        for (seq_id_t q = 0; static_cast<std::uint32_t>(q) < r.n_seq_max(); ++q) {
+            const auto st = r.seq_state(q);
+            os << "recurrent seq " << q << " [" << r.seq_pos_min(q) << ", " << r.seq_pos_max(q) << "] state "
+               << fip_hash(st.data(), st.size_bytes()) << '\n';
+        }
+    } else {
+        for (const auto& line : kvtest::snapshot(cache).lines) os << line << '\n';
+    }
     if constexpr (requires { cache.storage(); })
         if (free_bytes) os << fip_raw(cache);
     for (std::uint32_t i = 0; i < slots.n_slots(); ++i) {
@@ -516,6 +526,20 @@ TEST_CASE("fault injection: slots and prompt cache, paged, shared_store") {
 }
 
 namespace {
+/// A request as a host runs it on a memory with checkpoints: prepare, compute(from, to,
+/// checkpoints) (saving the listed checkpoints), commit_prompt, release.
+template <class Slots, class Compute>
+void fip_serve(Slots& slots, const prompt_tokens& req, int slot, Compute&& compute) {
+    request_options ro;
+    ro.slot_id = slot;
+    auto p = slots.prepare(req, ro).value();
+    compute(std::size_t{p.n_past}, std::size_t{p.n_request}, p.checkpoints);
+    slots.commit_prompt(slot);
+    slots.release(slot);
+}
+}  // namespace
+
+namespace {
 // Memories with a sliding window (F23): a ring<8> kv_cache (copy_store entries) and an
 // iswa_cache (full layers beside a ring; state_store entries), the slots saving
 // checkpoints where prepare lists them. prepare re-enters a window, restores a checkpoint
@@ -589,12 +613,9 @@ struct fw_world {
         request(fip_b, 1);
     }
     void request(const prompt_tokens& req, int slot) {
-        request_options ro;
-        ro.slot_id = slot;
-        auto p = slots.prepare(req, ro).value();
-        fw_fill(cache, slots, slot, req, p.n_past, p.n_request, p.checkpoints);
-        slots.commit_prompt(slot);
-        slots.release(slot);
+        fip_serve(slots, req, slot, [&](std::size_t from, std::size_t to, const std::vector<std::uint32_t>& at) {
+            fw_fill(cache, slots, slot, req, from, to, at);
+        });
     }
 };
 
@@ -712,6 +733,120 @@ TEST_CASE("fault injection: prepare served from a storage tier is strong") {
     fip_total_throws += throws;
     MESSAGE("prepare: a prefix from the memory tier: " << throws << " injected failures left everything as it was, "
                                                           << absorbed << " absorbed by the tier fetch (a miss)");
+}
+
+namespace {
+// A hybrid memory (recurrent layers beside attention layers; state_store entries): the
+// slots resume from checkpoints (whole-sequence states), which prepare loads over the
+// slot's own state; the recurrent states come back through the recurrent guard.
+using hyb_g = hybrid_memory<kv_cache<f32, reuse::global<>>>;
+
+hyb_g fh_make() {
+    recurrent_shape r;
+    r.n_layer = 2;
+    r.n_seq_max = 9;
+    r.d_conv = 3;
+    r.d_inner = 4;
+    r.ssm_size = 5;
+    model_shape a = toy::shape(512, 9);
+    a.n_layer = 1;
+    return hyb_g(a, r, {true, false, true});
+}
+
+/// Tokens [from, to) of p into seq (attention rows a function of token and position; the
+/// recurrent state of every token so far), saving a checkpoint where `at` lists one.
+template <class Slots>
+void fh_fill(hyb_g& mem, Slots& slots, int slot, const prompt_tokens& p, std::size_t from, std::size_t to,
+             const std::vector<std::uint32_t>& at) {
+    const seq_id_t seq = slots.seq_of(slot);
+    const model_shape& sh = mem.attention().shape();
+    for (std::size_t i = from; i < to; ++i) {
+        const pos_t pos[1] = {static_cast<pos_t>(i)};
+        const seq_id_t seqs[1] = {seq};
+        kvcache::transaction tx(mem);
+        auto placed = mem.place(pos, seqs).value();
+        const toy::rows rows = toy::compute(sh, toy::keys(p, false)[i], static_cast<pos_t>(i));
+        for (std::uint32_t l = 0; l < mem.n_layer(); ++l) {
+            if (mem.is_recurrent(l)) {
+                auto conv = mem.conv_state(l, seq);
+                auto ssm = mem.ssm_state(l, seq);
+                const float x = static_cast<float>(p[i] % 97) * 0.01f + static_cast<float>(l);
+                for (std::size_t k = 0; k < conv.size(); ++k) conv[k] = conv[k] * 0.5f + x;
+                for (std::size_t k = 0; k < ssm.size(); ++k) ssm[k] = ssm[k] * 0.75f + x * static_cast<float>(k + 1);
+            } else {
+                mem.write_k(l, placed, rows.k[0].data());
+                mem.write_v(l, placed, rows.v[0].data());
+            }
+        }
+        tx.commit();
+        if (std::find(at.begin(), at.end(), static_cast<std::uint32_t>(i + 1)) != at.end())
+            REQUIRE(slots.save_checkpoint(slot));
+    }
+}
+
+struct fh_world {
+    hyb_g cache;
+    slot_manager<hyb_g, state_store<hyb_g>> slots;
+    explicit fh_world(bool) : cache(fh_make()), slots(cache, [] {
+        slot_options o;
+        o.n_slots = 3;
+        o.checkpoint_every = 8;
+        return o;
+    }()) {
+        request(fip_a, 0);
+        request(fip_b, 1);
+    }
+    void request(const prompt_tokens& req, int slot) {
+        fip_serve(slots, req, slot, [&](std::size_t from, std::size_t to, const std::vector<std::uint32_t>& at) {
+            fh_fill(cache, slots, slot, req, from, to, at);
+        });
+    }
+};
+}  // namespace
+
+TEST_CASE("fault injection: prepare and release on a hybrid memory (recurrent states, checkpoints) are strong") {
+    auto prepare = [](const prompt_tokens& req, int slot_id) {
+        return [req, slot_id](fh_world& w) {
+            request_options ro;
+            ro.slot_id = slot_id;
+            auto p = w.slots.prepare(req, ro);
+            fi::disarm();
+            if (!p) return fip_describe(p);
+            return "n_past " + std::to_string(p.value().n_past) + " global " + std::to_string(p.value().metrics.from_global) +
+                   " checkpoint " + std::to_string(p.value().metrics.checkpoint_restored);
+        };
+    };
+    const prompt_tokens diverging = toy::cat(toy::text(20, 1000), toy::text(10, 5000));
+    fip_sweep_world<fh_world>("hybrid: exact repeat (resumed from the tail checkpoint)", false, true, prepare(fip_a, 0), {},
+                              false);
+    fip_sweep_world<fh_world>("hybrid: diverging at 20 (checkpoint at 16 over the slot's state)", false, true,
+                              prepare(diverging, 0), {}, false);
+    fip_sweep_world<fh_world>("hybrid: the global entry with its checkpoints, into slot 2", false, true,
+                              prepare(diverging, 2), {}, false);
+    fip_sweep_world<fh_world>(
+        "hybrid: release after the host changed the slot's sequence", false, true,
+        [](fh_world& w) {
+            w.slots.release(2);
+            return std::to_string(w.slots.tokens(2).size());
+        },
+        [](fh_world& w) {
+            request_options ro;
+            ro.slot_id = 2;
+            const prompt_tokens fresh = toy::text(12, 9000);
+            auto p = w.slots.prepare(fresh, ro).value();
+            fh_fill(w.cache, w.slots, 2, fresh, p.n_past, p.n_request, {});
+            w.slots.commit_prompt(2);
+            static_cast<void>(w.cache.seq_rm(w.slots.seq_of(2), -1, -1));  // the host empties it
+        },
+        false);
+    {  // the scenarios do what they say
+        fh_world w(false);
+        request_options ro;
+        ro.slot_id = 0;
+        auto p = w.slots.prepare(diverging, ro).value();
+        CHECK(p.metrics.checkpoint_restored);
+        CHECK(p.n_past == 16);
+    }
 }
 
 TEST_CASE("fault injection: prepare with chunk reuse and its K-shift is strong") {

@@ -187,7 +187,7 @@ result<load_info> load_hybrid(const char* fn, hybrid_memory<A>& h, std::span<con
     if (!parts) return kvcache::detail::make_error(parts.code(), parts.message());
     auto st = parse_recurrent(fn, h.recurrent(), parts.value().recurrent, kind, opt);
     if (!st) return kvcache::detail::make_error(st.code(), st.message());
-    recurrent_prepared rp = recurrent_prepare(h.recurrent(), std::move(st.value()), dst);
+    recurrent_prepared rp = recurrent_prepare(h.recurrent_for_update(acc), std::move(st.value()), dst);
     A& attn = h.attention_for_update(acc);
     const std::span<const std::byte> att_bytes = parts.value().attention;
     auto load_attention = [&]() -> result<load_info> {

@@ -234,6 +234,13 @@ inline recurrent_prepared recurrent_prepare(const recurrent_memory& m, recurrent
     p.staged = std::move(st);
     return p;
 }
+/// recurrent_prepare for a memory about to change: a compound operation's guard
+/// (recurrent_memory::begin_guard) copies the states the load overwrites first.
+inline recurrent_prepared recurrent_prepare(recurrent_memory& m, recurrent_staged&& st, seq_id_t dst) {
+    recurrent_prepared p = recurrent_prepare(static_cast<const recurrent_memory&>(m), std::move(st), dst);
+    m.guard_seqs(kvcache::detail::internal_access{}, dst);
+    return p;
+}
 
 /// Applies a prepared state: the memory changes all at once. Never throws.
 inline void recurrent_apply(recurrent_memory& m, recurrent_prepared& p) noexcept {

@@ -209,6 +209,38 @@ public:
         rec_.clear();
     }
 
+    /// The journal of a compound operation (slot_manager::prepare / release): both parts'
+    /// (kv_cache::journal_mark, recurrent_memory::journal_mark) with their guards.
+    struct journal_mark {
+        typename Attention::journal_mark attention;
+        recurrent_memory::journal_mark recurrent;
+    };
+    void save_journal(journal_mark& m, detail::internal_access a) const {
+        attn_.save_journal(m.attention, a);
+        rec_.save_journal(m.recurrent, a);
+    }
+    void load_journal(journal_mark& m, detail::internal_access a) noexcept {
+        attn_.load_journal(m.attention, a);
+        rec_.load_journal(m.recurrent, a);
+    }
+    void begin_guard(const journal_mark& m, detail::internal_access a) {
+        attn_.begin_guard(m.attention, a);
+        try {
+            rec_.begin_guard(m.recurrent, a);
+        } catch (...) {
+            attn_.end_guard(a);
+            throw;
+        }
+    }
+    void end_guard(detail::internal_access a) noexcept {
+        attn_.end_guard(a);
+        rec_.end_guard(a);
+    }
+    void rollback_guard(detail::internal_access a) noexcept {
+        attn_.rollback_guard(a);
+        rec_.rollback_guard(a);
+    }
+
     /// Mutable parts, for library operations (ops::apply_k_shift on the attention part)
     /// that keep both consistent themselves. Not for host code.
     [[nodiscard]] Attention& attention_for_update(detail::internal_access) noexcept { return attn_; }

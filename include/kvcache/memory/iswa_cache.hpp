@@ -228,6 +228,10 @@ public:
         full_.load_checkpoint(cp.full, a);
         swa_.load_checkpoint(cp.swa, a);
     }
+    /// The journal of a compound operation (kv_cache::journal_mark).
+    using journal_mark = checkpoint;
+    void save_journal(journal_mark& m, detail::internal_access a) const { save_checkpoint(m, a); }
+    void load_journal(journal_mark& m, detail::internal_access a) noexcept { load_checkpoint(m, a); }
     /// Both caches' byte guards (kv_cache::begin_guard).
     void begin_guard(const checkpoint& cp, detail::internal_access a) {
         full_.begin_guard(cp.full, a);

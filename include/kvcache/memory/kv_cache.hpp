@@ -397,6 +397,12 @@ public:
         staged_.resize(n);
     }
 
+    /// The journal of a compound operation (slot_manager::prepare): a checkpoint, with
+    /// the byte guard below.
+    using journal_mark = checkpoint;
+    void save_journal(journal_mark& m, detail::internal_access a) const { save_checkpoint(m, a); }
+    void load_journal(journal_mark& m, detail::internal_access a) noexcept { load_checkpoint(m, a); }
+
     /// Byte guard of a compound operation (slot_manager::prepare): from begin_guard(cp) on,
     /// every cell that was occupied in checkpoint `cp` and is given out again (placements,
     /// splits, state loads, the ring's moves) has its K/V bytes copied first, so that

@@ -281,6 +281,8 @@ public:
         for (seq_id_t t : targets(s))
             if (overlap(t, r) == cover::part) return refused_by_history("seq_rm", t, r, "remove");
         for (seq_id_t t : targets(s))
+            if (overlap(t, r) == cover::all) guard_seq(t);  // may throw: nothing changed yet
+        for (seq_id_t t : targets(s))
             if (overlap(t, r) == cover::all) empty_seq(t);
         return {};
     }
@@ -303,6 +305,7 @@ public:
                              std::to_string(pos_max_[static_cast<std::size_t>(dst)]) +
                              "]); two recurrent states cannot be merged: seq_rm it first");
         if (c == cover::part) return refused_by_history("seq_cp", src, r, "copy");
+        guard_seq(dst);
         std::copy(seq_ptr(src), seq_ptr(src) + shape_.seq_floats(), seq_ptr(dst));
         pos_min_[static_cast<std::size_t>(dst)] = pos_min_[static_cast<std::size_t>(src)];
         pos_max_[static_cast<std::size_t>(dst)] = pos_max_[static_cast<std::size_t>(src)];
@@ -313,6 +316,8 @@ public:
     void seq_keep(seq_id_t s) {
         check_no_tx("seq_keep");
         check_seq("seq_keep", "seq_id", s, false);
+        for (seq_id_t t = 0; static_cast<std::uint32_t>(t) < shape_.n_seq_max; ++t)
+            if (t != s) guard_seq(t);
         for (seq_id_t t = 0; static_cast<std::uint32_t>(t) < shape_.n_seq_max; ++t)
             if (t != s) empty_seq(t);
     }
@@ -377,6 +382,7 @@ public:
                                                      "], must be 0 <= pos_min <= pos_max or both -1 (empty)");
         if (empty && std::any_of(cp.state.begin(), cp.state.end(), [](float x) { return x != 0.0f; }))
             detail::fail(errc::invalid_argument, "restore_checkpoint: an empty checkpoint (interval -1) must hold a zero state");
+        guard_seq(s);
         std::copy(cp.state.begin(), cp.state.end(), seq_ptr(s));
         pos_min_[static_cast<std::size_t>(s)] = cp.pos_min;
         pos_max_[static_cast<std::size_t>(s)] = cp.pos_max;
@@ -392,6 +398,56 @@ public:
     }
     /// Empties sequence s (state zeroed); for io/recurrent.hpp. Never throws.
     void empty_seq(detail::internal_access, seq_id_t s) noexcept { empty_seq(s); }
+
+    /// Journal of a compound operation (slot_manager::prepare / release): the intervals;
+    /// the states come back through the guard. From begin_guard on, the state of every
+    /// sequence that held one is copied before an operation overwrites it (seq_rm,
+    /// seq_keep, seq_cp's destination, seq_add / seq_div emptying it, restore_checkpoint,
+    /// state loads through io), so that load_journal + rollback_guard put the memory back
+    /// bit-identical. Costs one sequence state per sequence overwritten.
+    struct journal_mark {
+        std::vector<pos_t> pos_min, pos_max;
+    };
+    /// May throw std::bad_alloc (nothing changed).
+    void save_journal(journal_mark& m, detail::internal_access) const {
+        m.pos_min = pos_min_;
+        m.pos_max = pos_max_;
+    }
+    /// Puts the intervals back (swaps; never throws). Call it with no transaction open.
+    void load_journal(journal_mark& m, detail::internal_access) noexcept {
+        pos_min_.swap(m.pos_min);
+        pos_max_.swap(m.pos_max);
+    }
+    /// Starts the guard (may throw std::bad_alloc; nothing changed).
+    void begin_guard(const journal_mark&, detail::internal_access) {
+        guard_done_.assign(shape_.n_seq_max, 0);
+        guard_ids_.clear();
+        guard_data_.clear();
+        guard_on_ = true;
+    }
+    /// Ends the guard keeping the memory as it is. Never throws.
+    void end_guard(detail::internal_access) noexcept {
+        guard_on_ = false;
+        guard_ids_.clear();
+        guard_data_.clear();
+    }
+    /// Writes the kept states back and ends the guard (after load_journal). Never throws.
+    void rollback_guard(detail::internal_access) noexcept {
+        const std::size_t n = shape_.seq_floats();
+        for (std::size_t i = 0; i < guard_ids_.size(); ++i)
+            std::copy(guard_data_.begin() + static_cast<std::ptrdiff_t>(i * n),
+                      guard_data_.begin() + static_cast<std::ptrdiff_t>((i + 1) * n), seq_ptr(guard_ids_[i]));
+        end_guard(detail::internal_access{});
+    }
+    /// Copies sequence s's state before a library component overwrites it (io loads);
+    /// may throw std::bad_alloc before anything is written. s < 0: every sequence.
+    void guard_seqs(detail::internal_access, seq_id_t s) {
+        if (s >= 0) {
+            guard_seq(s);
+            return;
+        }
+        for (seq_id_t t = 0; static_cast<std::uint32_t>(t) < shape_.n_seq_max; ++t) guard_seq(t);
+    }
 
     /// The intervals and transaction snapshots before a placement, so that a composite
     /// (hybrid_memory) can undo the placement when its other part refuses the batch.
@@ -515,6 +571,8 @@ private:
                                            std::to_string(mx) +
                                            "]: its positions below 0 would be dropped, but its state cannot forget them");
         }
+        for (seq_id_t t : ts)
+            if (overlap(t, r) == cover::all && f(pos_max_[static_cast<std::size_t>(t)]) < 0) guard_seq(t);
         for (seq_id_t t : ts) {
             if (overlap(t, r) != cover::all) continue;
             const auto u = static_cast<std::size_t>(t);
@@ -527,6 +585,16 @@ private:
             }
         }
         return {};
+    }
+    /// The guard's copy of sequence t's state, once (begin_guard); may throw std::bad_alloc.
+    void guard_seq(seq_id_t t) {
+        const auto u = static_cast<std::size_t>(t);
+        if (!guard_on_ || guard_done_[u] != 0) return;
+        const std::size_t n = shape_.seq_floats();
+        guard_ids_.reserve(guard_ids_.size() + 1);
+        guard_data_.insert(guard_data_.end(), seq_ptr(t), seq_ptr(t) + n);  // strong: nothing added on a throw
+        guard_ids_.push_back(t);
+        guard_done_[u] = 1;
     }
     void empty_seq(seq_id_t t) noexcept {
         const auto u = static_cast<std::size_t>(t);
@@ -548,6 +616,10 @@ private:
     std::vector<backup> backups_;      // one per touched sequence, in snapshot order
     std::vector<float> backup_data_;   // their states, seq_floats() each
     bool in_tx_ = false;
+    bool guard_on_ = false;                 // begin_guard .. end_guard / rollback_guard
+    std::vector<unsigned char> guard_done_;  // per sequence: its state copied by the guard
+    std::vector<seq_id_t> guard_ids_;        // copied sequences, in order
+    std::vector<float> guard_data_;          // their states, seq_floats() each
 };
 
 static_assert(memory<recurrent_memory>, "kvcache: recurrent_memory must satisfy kvcache::memory");

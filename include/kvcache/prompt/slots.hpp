@@ -43,17 +43,14 @@
 // commit_prompt, append, save_checkpoint and clear_slot complete or change nothing;
 // release too (the uncommitted positions it removes are put back from a cache
 // checkpoint, the global save is strong; a slot state it drops because the host changed
-// the slot's cells comes back through the journal below, on the memories that have one;
-// on the others the slot then stays busy holding nothing that can be served, and
-// release() can be called again). prepare on a kv_cache
-// (any layout) or an iswa_cache is strong too: any exception leaves the cache (metadata,
-// indexes, block tables, the K/V of every occupied cell), the slots, the store and the
-// global prompt cache as they were, through an undo journal (see "prepare's journal"
-// below; it costs a copy of the cell table per call: slot_options::strong_prepare = false
-// turns it off). The storage tiers may keep a promotion the fetch queued (a copy of a blob
-// they hold) and count the fetch. On recurrent_memory and hybrid_memory (no checkpoint
-// of a recurrent state), with a custom store whose release() may throw and that keeps no
-// undo record, and with strong_prepare off, prepare is a sequence of steps each
+// the slot's cells comes back through the journal below). prepare is strong too, on
+// every memory: any exception leaves the cache (metadata, indexes, block tables, the
+// K/V of every occupied cell, recurrent states), the slots, the store and the global
+// prompt cache as they were, through an undo journal (see "prepare's journal" below; it
+// costs a copy of the cell table per call: slot_options::strong_prepare = false turns it
+// off). The storage tiers may keep a promotion the fetch queued (a copy of a blob they
+// hold) and count the fetch. With a custom store whose release() may throw and that
+// keeps no undo record, and with strong_prepare off, prepare is a sequence of steps each
 // complete or nothing: when one throws, nothing is ever served wrong: the cache stays
 // consistent, no slot is left busy, every idle slot's tokens are what its sequence holds
 // (the slot being prepared forgets its tokens, so the next prepare recomputes) and every
@@ -419,10 +416,10 @@ public:
     /// Last, room is made for the positions left to compute by evicting shared_store entries
     /// and idle slot states, complete or nothing (see "Room" in the file comment).
     /// The K-shift (apply_k_shift) runs last, after every other step that can throw.
-    /// Strong on kv_cache and iswa_cache: when anything throws (std::bad_alloc, a refused
-    /// plan) everything is as before the call, the K/V of occupied cells included; on the
-    /// other memories (or with slot_options::strong_prepare off) compound: each step is
-    /// complete or nothing and nothing is ever served wrong (see the file comment).
+    /// Strong: when anything throws (std::bad_alloc, a refused plan) everything is as
+    /// before the call, the K/V of occupied cells and recurrent states included (with
+    /// slot_options::strong_prepare off, or a store whose release may throw, compound:
+    /// each step is complete or nothing and nothing is ever served wrong; file comment).
     [[nodiscard]] result<prepared_request> prepare(const prompt_tokens& request, const request_options& ro = {}) {
         using std::to_string;
         if (request.empty()) detail::fail(errc::invalid_argument, "slot_manager::prepare: the request has no tokens");
@@ -713,12 +710,12 @@ public:
     /// sequence holds exactly tokens(slot); when the layout refuses that truncation (a ring
     /// whose window pruned the positions the next token would need) the slot's state is
     /// dropped instead. Throws transaction_open if placements are staged.
-    /// Under std::bad_alloc: bit-identical on kv_cache and iswa_cache (the slot stays busy,
-    /// everything as before the call, a dropped state included, through prepare's journal;
-    /// call release() again). On a memory without checkpoints (recurrent_memory,
-    /// hybrid_memory) removed uncommitted positions stay removed, and when the slot's
-    /// state had to be dropped (the host changed the slot's cells, or the layout refused
-    /// the truncation) the slot stays busy holding nothing that can be served.
+    /// Under std::bad_alloc: bit-identical (the slot stays busy, everything as before the
+    /// call, a dropped state included, through prepare's journal; call release() again).
+    /// Without the journal (a store whose release may throw) removed uncommitted
+    /// positions may stay removed, and when the slot's state had to be dropped (the host
+    /// changed the slot's cells, or the layout refused the truncation) the slot stays busy
+    /// holding nothing that can be served.
     void release(int slot_id) {
         slot& s = slots_[check_slot("release", slot_id)];
         if (!s.busy) return;
@@ -886,9 +883,10 @@ private:
     }
 
     // ---------------------------------------------------------------- prepare's journal
-    // prepare() on a memory with checkpoints (kv_cache of any layout, iswa_cache) runs under
-    // an undo journal: a checkpoint of the cache's metadata, its byte guard (the K/V of
-    // cells that were occupied when prepare began and are written again), the global prompt
+    // prepare() and release() run under an undo journal (every memory: Cache::journal_mark):
+    // a checkpoint of the cache's metadata (a recurrent memory's intervals), its guard (the
+    // K/V of cells that were occupied when prepare began and are written again; the state
+    // of a recurrent sequence before it is overwritten), the global prompt
     // cache's batch (removals recorded, not yet dropped), the store's undo record (an
     // undoable store without a global cache), the slots it changes (as they were) and the
     // counters. A throw anywhere puts all of it back; the K-shift runs last (it is complete
@@ -899,10 +897,25 @@ private:
     /// A memory with checkpoints, and a store that undoes its own changes or whose
     /// release() cannot throw (a custom store with a throwing release: compound).
     static constexpr bool strong_prepare =
-        requires { typename Cache::checkpoint; } &&
+        requires(Cache& c, typename Cache::journal_mark& m, detail::internal_access a) {
+            c.save_journal(m, a);
+            c.load_journal(m, a);
+            c.begin_guard(m, a);
+            c.end_guard(a);
+            c.rollback_guard(a);
+        } &&
         (store_undoable ||
          noexcept(std::declval<Store&>().release(std::declval<Cache&>(), std::declval<typename Store::handle&>())));
 
+    template <class C>
+    struct journal_mark_or {
+        using type = std::monostate;
+    };
+    template <class C>
+        requires requires { typename C::journal_mark; }
+    struct journal_mark_or<C> {
+        using type = typename C::journal_mark;
+    };
     /// A slot as it was when prepare first changed it.
     struct saved_slot {
         std::size_t index = 0;
@@ -913,7 +926,7 @@ private:
         std::vector<checkpoint> dropped_orig;  // its own checkpoints dropped so far, in order
     };
     struct journal {
-        typename detail::checkpoint_or<Cache>::type cp{};
+        typename journal_mark_or<Cache>::type cp{};
         [[no_unique_address]] typename detail::undo_record_or<Store, store_undoable && !uses_global>::type store_undo{};
         std::vector<saved_slot> saved;        // room for every slot
         std::vector<checkpoint> released;     // checkpoints a slot got in this prepare and dropped
@@ -931,7 +944,7 @@ private:
         j.counters = counters_;
         j.clock = clock_;
         j.last = last_;
-        cache_->save_checkpoint(j.cp, detail::internal_access{});
+        cache_->save_journal(j.cp, detail::internal_access{});
         if constexpr (store_undoable && !uses_global) store().save_undo(*cache_, j.store_undo);
         if constexpr (uses_global)
             if (batch) global_->begin_batch(*cache_, detail::internal_access{});
@@ -998,7 +1011,7 @@ private:
         j.released.clear();  // copies of a global entry's checkpoints: destroyed, not released
         if constexpr (uses_global) global_->rollback_batch(*cache_, detail::internal_access{});
         if constexpr (store_undoable && !uses_global) store().load_undo(*cache_, j.store_undo);
-        cache_->load_checkpoint(j.cp, detail::internal_access{});
+        cache_->load_journal(j.cp, detail::internal_access{});
         cache_->rollback_guard(detail::internal_access{});
         counters_ = j.counters;
         clock_ = j.clock;
