@@ -106,6 +106,8 @@ std::string fip_observe(const Cache& cache, Slots& slots, bool free_bytes = true
         os << "entry " << id << " last_use " << st->last_use << " hits " << st->hits << " priority " << st->priority
            << " tokens";
         for (std::size_t t = 0; t < g.tokens_of(id)->size(); ++t) os << ' ' << (*g.tokens_of(id))[t];
+        os << " checkpoints";
+        for (const auto& [lo, hi] : g.checkpoint_spans_of(id)) os << " [" << lo << ", " << hi << "]";
         os << '\n';
     }
     os << "eviction order:";

@@ -380,6 +380,14 @@ public:
         for (const auto& o : order_) out.push_back(o.second);
         return out;
     }
+    /// The positions [pos_min, pos_max] each checkpoint of entry id holds, oldest first
+    /// (empty if the id is unknown).
+    [[nodiscard]] std::vector<std::pair<pos_t, pos_t>> checkpoint_spans_of(entry_id id) const {
+        std::vector<std::pair<pos_t, pos_t>> out;
+        if (const auto it = entries_.find(id); it != entries_.end())
+            for (const checkpoint& ck : it->second.checkpoints) out.emplace_back(ck.pos_min, ck.pos_max);
+        return out;
+    }
     /// What the eviction policy knows of entry id (nullptr if the id is unknown).
     [[nodiscard]] const entry_stats* stats_of(entry_id id) const noexcept {
         const auto it = entries_.find(id);
@@ -643,14 +651,7 @@ public:
                 return detail::make_error(got.code(), got.message());
             }
             doom(cache, r, id, false, false);  // the checkpoints move to the caller
-            if (batch_) {  // copies: a rolled-back batch keeps the entry whole
-                if constexpr (std::is_copy_constructible_v<checkpoint>) {
-                    out.tokens = it->second.tokens;
-                    out.checkpoints = it->second.checkpoints;
-                } else {
-                    detail::fail(errc::unsupported, "prompt_cache::load: a batch needs copyable store handles");
-                }
-            }
+            if (batch_) out.tokens = it->second.tokens;  // a rolled-back batch keeps the entry whole
         } catch (...) {
             u.rollback(cache, *this, r);
             throw;
@@ -658,7 +659,8 @@ public:
         ++metrics_.hits;
         entry& e = it->second;
         out.hits = e.stats.hits + 1;
-        if (batch_) {
+        if (batch_) {  // the checkpoints are lent: give_back() returns them on a rollback
+            out.checkpoints = std::move(e.checkpoints);
             batch_->loaded.push_back(id);  // within the reserved room
             defer(r);
             return out;
@@ -749,7 +751,8 @@ public:
     /// rollback_batch puts everything back as it was at begin_batch: entries, index,
     /// eviction order, remembered keys, counters, the store and its cells (with an
     /// undoable store; the caller restores the cache otherwise). load() hands out copies
-    /// of the entry's tokens and checkpoints. save() is refused during a batch.
+    /// of the entry's tokens and lends its checkpoints (moved out; give_back() returns
+    /// them before a rollback). save() is refused during a batch.
     /// begin_batch may throw std::bad_alloc (nothing changed).
     void begin_batch(Cache& cache, detail::internal_access) {
         KVCACHE_ASSERT(!batch_);
@@ -764,12 +767,14 @@ public:
     /// Drops the batch's removed entries for good (never throws).
     void commit_batch(Cache& cache, detail::internal_access) noexcept {
         if (!batch_) return;
-        for (const entry_id id : batch_->loaded) {  // their checkpoints belong to the caller's copies now
-            entry& e = entries_.find(id)->second;
-            e.checkpoints.clear();
-        }
+        for (const entry_id id : batch_->loaded) entries_.find(id)->second.checkpoints.clear();  // the caller's now
         commit(cache, batch_->r, 0);
         batch_.reset();
+    }
+    /// Returns the checkpoints a load of the open batch lent, whole and in order (before
+    /// rollback_batch). Never throws.
+    void give_back(entry_id id, std::vector<checkpoint>&& cks, detail::internal_access) noexcept {
+        entries_.find(id)->second.checkpoints = std::move(cks);
     }
     /// Puts everything back as it was at begin_batch (never throws).
     void rollback_batch(Cache& cache, detail::internal_access) noexcept {

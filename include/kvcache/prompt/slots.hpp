@@ -534,10 +534,13 @@ private:
                 parked_state parked = park(seq);
                 auto got = global_->load(*cache_, seq, *pick);
                 if (got) {
-                    drop_checkpoints(s, 0);
+                    if (j_ != nullptr)
+                        take_lent_checkpoints(s, static_cast<std::size_t>(id), *pick, std::move(got.value().checkpoints));
+                    else {
+                        drop_checkpoints(s, 0);
+                        s.checkpoints = std::move(got.value().checkpoints);
+                    }
                     s.tokens = std::move(got.value().tokens);
-                    s.checkpoints = std::move(got.value().checkpoints);
-                    if (j_ != nullptr) saved_of(static_cast<std::size_t>(id)).live_is_orig = false;
                     s.hits = got.value().hits;
                     from_global = true;
                     source = &s.tokens;  // the entry left the cache
@@ -929,7 +932,10 @@ private:
         typename journal_mark_or<Cache>::type cp{};
         [[no_unique_address]] typename detail::undo_record_or<Store, store_undoable && !uses_global>::type store_undo{};
         std::vector<saved_slot> saved;        // room for every slot
-        std::vector<checkpoint> released;     // checkpoints a slot got in this prepare and dropped
+        // The global entry prepare loaded lends its checkpoints (no copy): those the slot
+        // dropped since, in order (a prefix stays in the slot); given back on a rollback.
+        std::optional<typename cache_type::entry_id> lent;
+        std::vector<checkpoint> lent_dropped;
         prefix_cache_metrics counters;
         std::uint64_t clock = 0;
         request_metrics last;
@@ -985,7 +991,7 @@ private:
         if constexpr (!store_undoable) {  // release() cannot throw (strong_prepare)
             for (saved_slot& sv : j.saved)
                 for (checkpoint& ck : sv.dropped_orig) store().release(*cache_, ck.state);
-            for (checkpoint& ck : j.released) store().release(*cache_, ck.state);
+            for (checkpoint& ck : j.lent_dropped) store().release(*cache_, ck.state);
         }
         if constexpr (uses_global) global_->commit_batch(*cache_, detail::internal_access{});
         cache_->end_guard(detail::internal_access{});
@@ -1004,11 +1010,14 @@ private:
             s.has_pending = sv.has_pending;
             if (sv.live_is_orig) {  // a prefix of its own is left: the dropped suffix goes back (room kept)
                 for (checkpoint& ck : sv.dropped_orig) s.checkpoints.push_back(std::move(ck));
-            } else {  // replaced by copies of a global entry's: destroyed, not released
+            } else {  // a global entry's lent checkpoints: back to the entry, whole (room kept)
+                if constexpr (uses_global) {
+                    for (checkpoint& ck : j.lent_dropped) s.checkpoints.push_back(std::move(ck));
+                    global_->give_back(*j.lent, std::move(s.checkpoints), detail::internal_access{});
+                }
                 s.checkpoints = std::move(sv.dropped_orig);
             }
         }
-        j.released.clear();  // copies of a global entry's checkpoints: destroyed, not released
         if constexpr (uses_global) global_->rollback_batch(*cache_, detail::internal_access{});
         if constexpr (store_undoable && !uses_global) store().load_undo(*cache_, j.store_undo);
         cache_->load_journal(j.cp, detail::internal_access{});
@@ -1041,6 +1050,26 @@ private:
         KVCACHE_ASSERT(false);
         return j_->saved.front();
     }
+    /// Under the journal: the slot takes the checkpoints a global entry lent (before
+    /// anything that can throw, so that a rollback gives them back whole); its own go to
+    /// the journal, their cells released last (undoable stores).
+    template <class Id>
+    void take_lent_checkpoints(slot& s, std::size_t i, Id id, std::vector<checkpoint>&& lent) {
+        saved_slot& sv = saved_of(i);
+        KVCACHE_ASSERT(sv.live_is_orig);
+        const std::size_t n_own = s.checkpoints.size();
+        sv.dropped_orig.insert(sv.dropped_orig.begin(), std::make_move_iterator(s.checkpoints.begin()),
+                               std::make_move_iterator(s.checkpoints.end()));  // within the reserved room
+        s.checkpoints = std::move(lent);
+        sv.live_is_orig = false;
+        j_->lent = id;
+        j_->lent_dropped.reserve(s.checkpoints.size());  // drop_checkpoints' room from here on
+        if constexpr (store_undoable)
+            for (std::size_t c = 0; c < n_own; ++c) {
+                auto h = sv.dropped_orig[c].state;
+                store().release(*cache_, h);
+            }
+    }
     /// Drops the slot's checkpoints from index k on (released; under the journal kept
     /// until prepare returns, see above).
     void drop_checkpoints(slot& s, std::size_t k) {
@@ -1053,19 +1082,16 @@ private:
         const std::size_t i = static_cast<std::size_t>(&s - slots_.data());
         touch(i);
         saved_slot& sv = saved_of(i);
-        if (!sv.live_is_orig) j_->released.reserve(j_->released.size() + (s.checkpoints.size() - k));
         if constexpr (store_undoable)  // the cells go now (the undo records put them back); the handles stay
             for (std::size_t c = k; c < s.checkpoints.size(); ++c) {
                 auto h = s.checkpoints[c].state;
                 store().release(*cache_, h);
             }
         const auto first = s.checkpoints.begin() + static_cast<std::ptrdiff_t>(k);
-        if (sv.live_is_orig)  // before the suffixes dropped earlier (within the reserved room)
-            sv.dropped_orig.insert(sv.dropped_orig.begin(), std::make_move_iterator(first),
-                                   std::make_move_iterator(s.checkpoints.end()));
-        else
-            j_->released.insert(j_->released.end(), std::make_move_iterator(first),
-                                std::make_move_iterator(s.checkpoints.end()));
+        // Before the suffixes dropped earlier (within the room reserved when the slot was
+        // touched, or when the entry lent its checkpoints): never allocates.
+        std::vector<checkpoint>& to = sv.live_is_orig ? sv.dropped_orig : j_->lent_dropped;
+        to.insert(to.begin(), std::make_move_iterator(first), std::make_move_iterator(s.checkpoints.end()));
         s.checkpoints.erase(first, s.checkpoints.end());
     }
 
