@@ -135,9 +135,9 @@ struct slot_options {
     prompt_cache_limits cache_limits{};  ///< F21: limits of the global prompt cache (reuse::global only)
     bool apply_k_shift = true;        ///< F20: rotate moved K in prepare (else the host calls ops::apply_k_shift)
     int n_threads = 0;                ///< threads of that K-shift (<= 0: OpenMP default)
-    /// prepare() with the strong guarantee (kv_cache and iswa_cache: an undo journal, see
-    /// "Allocation failure" in the file comment; it copies the cell table once per call).
-    /// false: compound, as on the memories without checkpoints.
+    /// prepare() with the strong guarantee (an undo journal, see "Allocation failure" in
+    /// the file comment; on a K/V cache it copies the cell table once per call).
+    /// false: compound (each step complete or nothing, nothing ever served wrong).
     bool strong_prepare = true;
 };
 
