@@ -30,6 +30,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "prompt/toy_model.hpp"
@@ -165,12 +166,13 @@ struct fip_world {
         if constexpr (std::is_same_v<Store, shared_store<Cache>>) return Store(3, 5);  // sequences 3..7 (8: checks)
         else return Store{};
     }
-    explicit fip_world(bool tight)
+    explicit fip_world(bool tight, bool strong = true)
         : cache(toy::shape(tight ? 128u : 256u, 9)),
           slots(cache,
-                [] {
+                [strong] {
                     slot_options o;
                     o.n_slots = 3;
+                    o.strong_prepare = strong;
                     return o;
                 }(),
                 make_store()) {
@@ -849,6 +851,35 @@ TEST_CASE("fault injection: prepare and release on a hybrid memory (recurrent st
         CHECK(p.metrics.checkpoint_restored);
         CHECK(p.n_past == 16);
     }
+}
+
+namespace {
+/// fip_world with slot_options::strong_prepare = false: the compound prepare.
+template <class Cache, class Store>
+struct fip_world_compound : fip_world<Cache, Store> {
+    explicit fip_world_compound(bool tight) : fip_world<Cache, Store>(tight, false) {}
+};
+template <class Cache, class Store>
+void fip_sweep_compound(bool tight) {
+    using world = fip_world_compound<Cache, Store>;
+    const prompt_tokens fresh = toy::text(50, 5000);
+    const prompt_tokens grown = toy::cat(fip_a, toy::text(3, 7000));
+    for (const auto& [name, req, slot_id] : {std::tuple{"compound prepare: a new prompt", fresh, 2},
+                                             std::tuple{"compound prepare: growing prompt from the global cache", grown, 2}})
+        fip_sweep_world<world>(name, tight, false, [req, slot_id](world& w) {
+            request_options ro;
+            ro.slot_id = slot_id;
+            auto p = w.slots.prepare(req, ro);
+            fi::disarm();
+            return p ? "n_past " + std::to_string(p.value().n_past) : fip_describe(p);
+        });
+}
+}  // namespace
+
+TEST_CASE("fault injection: the compound prepare (strong_prepare = false) never serves anything wrong") {
+    fip_sweep_compound<contig_g, copy_store<contig_g>>(false);
+    fip_sweep_compound<paged_g, copy_store<paged_g>>(true);
+    fip_sweep_compound<paged_g, shared_store<paged_g>>(false);
 }
 
 TEST_CASE("fault injection: prepare with chunk reuse and its K-shift is strong") {

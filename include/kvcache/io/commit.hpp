@@ -129,10 +129,7 @@ result<prepared_commit> prepare_commit(const char* fn, Cache& cache, const stage
     // load writes held when it began (the caller's rollback undoes a throw here).
     if constexpr (requires { cache.guard_cells(std::span<const std::uint32_t>{}, internal_access{}); }) {
         cache.guard_cells(std::span<const std::uint32_t>(pc.picked.cells), internal_access{});
-        for (const auto& m : pc.picked.moves) {
-            const std::uint32_t to[] = {m.second};
-            cache.guard_cells(std::span<const std::uint32_t>(to), internal_access{});
-        }
+        for (const auto& m : pc.picked.moves) cache.guard_cells(std::span<const std::uint32_t>(&m.second, 1), internal_access{});
     }
     return pc;
 }

@@ -984,7 +984,7 @@ private:
         removal r;
         undo u;
         prefix_cache_metrics metrics;
-        std::vector<entry_id> loaded;  // entries load() handed out (copies)
+        std::vector<entry_id> loaded;  // entries load() lent their checkpoints to the caller
         batch_state(Store& store, Cache& cache) : u(store, cache) {}
     };
     /// Adds r's removals to the open batch (never allocates: its room was reserved).

@@ -922,9 +922,7 @@ private:
     /// A slot as it was when prepare first changed it.
     struct saved_slot {
         std::size_t index = 0;
-        prompt_tokens tokens;
-        std::uint64_t hits = 0, salt = 0, last_used = 0, generation = 0;
-        bool busy = false, has_pending = false;
+        slot before;                          // as it was, but for its checkpoints (below)
         bool live_is_orig = true;             // the slot's checkpoints are still (a prefix of) its own
         std::vector<checkpoint> dropped_orig;  // its own checkpoints dropped so far, in order
     };
@@ -939,7 +937,6 @@ private:
         prefix_cache_metrics counters;
         std::uint64_t clock = 0;
         request_metrics last;
-        bool guard = false;
     };
     journal* j_ = nullptr;
 
@@ -999,21 +996,18 @@ private:
     /// prepare threw: everything back as it was (never throws).
     void rollback_journal(journal& j) noexcept {
         j_ = nullptr;
+        static_assert(std::is_nothrow_move_assignable_v<slot>);
         for (saved_slot& sv : j.saved) {
             slot& s = slots_[sv.index];
-            s.tokens = std::move(sv.tokens);
-            s.hits = sv.hits;
-            s.salt = sv.salt;
-            s.last_used = sv.last_used;
-            s.generation = sv.generation;
-            s.busy = sv.busy;
-            s.has_pending = sv.has_pending;
+            std::vector<checkpoint> live = std::move(s.checkpoints);
+            s = std::move(sv.before);
             if (sv.live_is_orig) {  // a prefix of its own is left: the dropped suffix goes back (room kept)
-                for (checkpoint& ck : sv.dropped_orig) s.checkpoints.push_back(std::move(ck));
+                for (checkpoint& ck : sv.dropped_orig) live.push_back(std::move(ck));
+                s.checkpoints = std::move(live);
             } else {  // a global entry's lent checkpoints: back to the entry, whole (room kept)
                 if constexpr (uses_global) {
-                    for (checkpoint& ck : j.lent_dropped) s.checkpoints.push_back(std::move(ck));
-                    global_->give_back(*j.lent, std::move(s.checkpoints), detail::internal_access{});
+                    for (checkpoint& ck : j.lent_dropped) live.push_back(std::move(ck));
+                    global_->give_back(*j.lent, std::move(live), detail::internal_access{});
                 }
                 s.checkpoints = std::move(sv.dropped_orig);
             }
@@ -1031,17 +1025,18 @@ private:
         if (j_ == nullptr) return;
         for (const saved_slot& sv : j_->saved)
             if (sv.index == i) return;
-        const slot& s = slots_[i];
+        slot& s = slots_[i];
         saved_slot sv;
         sv.index = i;
-        sv.tokens = s.tokens;
-        sv.hits = s.hits;
-        sv.salt = s.salt;
-        sv.last_used = s.last_used;
-        sv.generation = s.generation;
-        sv.busy = s.busy;
-        sv.has_pending = s.has_pending;
         sv.dropped_orig.reserve(s.checkpoints.size());
+        std::vector<checkpoint> cks = std::move(s.checkpoints);  // not copied: the journal keeps what is dropped
+        try {
+            sv.before = s;
+        } catch (...) {
+            s.checkpoints = std::move(cks);
+            throw;
+        }
+        s.checkpoints = std::move(cks);
         j_->saved.push_back(std::move(sv));  // within the reserved room
     }
     saved_slot& saved_of(std::size_t i) noexcept {
