@@ -247,38 +247,12 @@ inline void unit_angles(std::uint32_t u, std::uint32_t n_pairs, const float* cos
 }
 }  // namespace detail_q8
 
-/// q8_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA + F16C; with
-/// AVX-512F, 16-lane vectors). A block holds 32 dimensions of one cell, so a pair
-/// (dims 2i, 2i + 1) is two adjacent bytes: the block's 16 words are sign-extended and
-/// split into the even and the odd dimensions, which rotate with plain vector
-/// arithmetic (the cos / sin of the unit row's 16 pairs, no shuffles). The moving cells'
-/// blocks of each rotated unit row go through three passes: (1) dequantize, rotate, keep
-/// the 32 rotated values in a 4 KiB stack buffer and the lane-wise max |y|; (2) the
-/// blocks' max (a transposing tree per 16 blocks), scales max / 127 rounded to binary16
-/// and their inverses (one vector division and conversion per 8 blocks); (3) codes round
-/// half away from zero of y / d clamped to +-127, bytes interleaved back. The arithmetic
-/// (products, fused terms, roundings) is that of rotate_rows and q8_0::from_float, so the
-/// bytes are identical to the generic path's (tests/element/test_quant_kshift.cpp). A
-/// block whose stored scale is not finite becomes what from_float makes of NaN values
-/// (NaN scale, zero codes), as in the generic path.
-/// Why passes over the whole unit row: done block by block, the chain max -> scale ->
-/// binary16 -> inverse -> codes (~110 cycles) kept too few blocks in flight (Zen 5: 9 ns
-/// per block in L1); in groups of 16 blocks, pass 3 read pass 1's stores while they
-/// were still in flight (5 ns); a whole unit row: 3.6 ns. The previous code also
-/// converted binary16 in scalar bit code and checked every scale in a separate pass
-/// (25 ns per block).
-/// Tried on Zen 5 (4.1 GHz, 3.1 ns = 13 cycles per block in L1) and not faster: codes
-/// picked into dword tops by vpermb (no shifts), integer maxima of |y| (no vmaxps), a tree
-/// fed in registers as the blocks come, scales by gather or scalar loads, pass 3 of the
-/// previous unit row run beside pass 1 of the next (software pipelining), a prefetch of
-/// the next tile: each 3.1-3.4 ns. The ablations add up piece by piece (pass 1 ~4, tree
-/// ~2, scales ~2, pass 3 ~4 cycles): ~45-55 instructions per block at 3.5-4.3 per cycle.
-/// Measured there: one 512-bit load and one 512-bit store per cycle, vpermt2b at 1.6 per
-/// cycle and competing with both the FMA and the add pipes. Lambdas that capture vector
-/// constants by reference must be inlined and their constants kept local: a store of
-/// codes (int8, which may alias anything) made GCC reload every captured constant.
-inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
-                                     const float* sin_tab) noexcept {
+namespace detail_q8 {
+/// rotate_tile_q8_0_uniform; Full: every cell moves (block j is units[j]: no index loads, and
+/// constant offsets; 5% faster per block in L1 on Zen 5).
+template <bool Full>
+inline void rotate_tile(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
+                        const float* sin_tab) noexcept {
     using detail_q8::vf;
     using detail_q8::vl;
     using detail_q8::vpb;
@@ -312,7 +286,7 @@ inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile
             std::uint32_t bad = 0;  // blocks whose stored scale is not finite
             // (1) dequantize, rotate (the products and fused terms of rotate_rows), max |y|
             for (std::uint32_t j = 0; j < ng; ++j) {
-                const block_q8_0& blk = units[cells[j]];
+                const block_q8_0& blk = units[Full ? j : cells[j]];
                 const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
 #if defined(__AVX512F__)
                 const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
@@ -351,7 +325,7 @@ inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile
 #if defined(__AVX512F__)
             auto codes = [&](auto clamped) {
                 for (std::uint32_t j = 0; j < ng; ++j) {
-                    block_q8_0& blk = units[cells[j]];
+                    block_q8_0& blk = units[Full ? j : cells[j]];
                     const __m512 r = _mm512_set1_ps(id[j]);
                     __m512 v0 = _mm512_mul_ps(_mm512_load_ps(y[j]), r), v1 = _mm512_mul_ps(_mm512_load_ps(y[j] + 16), r);
                     if constexpr (decltype(clamped)::value) {
@@ -375,7 +349,7 @@ inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile
 #else
             static_cast<void>(clamp);  // (the packs saturate)
             for (std::uint32_t j = 0; j < ng; ++j) {
-                block_q8_0& blk = units[cells[j]];
+                block_q8_0& blk = units[Full ? j : cells[j]];
                 const __m256 r = _mm256_set1_ps(id[j]);
                 __m256i q[4];  // even 0-7, odd 0-7, even 8-15, odd 8-15 (|v| < 2^31: no overflow)
                 for (std::uint32_t k = 0; k < 4; ++k) {
@@ -394,6 +368,45 @@ inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile
                 detail_q8::store_nonfinite(units[cells[static_cast<std::uint32_t>(std::countr_zero(bad))]]);
         }
     }
+}
+}  // namespace detail_q8
+
+/// q8_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA + F16C; with
+/// AVX-512F, 16-lane vectors). A block holds 32 dimensions of one cell, so a pair
+/// (dims 2i, 2i + 1) is two adjacent bytes: the block's 16 words are sign-extended and
+/// split into the even and the odd dimensions, which rotate with plain vector
+/// arithmetic (the cos / sin of the unit row's 16 pairs, no shuffles). The moving cells'
+/// blocks of each rotated unit row go through three passes: (1) dequantize, rotate, keep
+/// the 32 rotated values in a 4 KiB stack buffer and the lane-wise max |y|; (2) the
+/// blocks' max (a transposing tree per 16 blocks), scales max / 127 rounded to binary16
+/// and their inverses (one vector division and conversion per 8 blocks); (3) codes round
+/// half away from zero of y / d clamped to +-127, bytes interleaved back. The arithmetic
+/// (products, fused terms, roundings) is that of rotate_rows and q8_0::from_float, so the
+/// bytes are identical to the generic path's (tests/element/test_quant_kshift.cpp). A
+/// block whose stored scale is not finite becomes what from_float makes of NaN values
+/// (NaN scale, zero codes), as in the generic path.
+/// Why passes over the whole unit row: done block by block, the chain max -> scale ->
+/// binary16 -> inverse -> codes (~110 cycles) kept too few blocks in flight (Zen 5: 9 ns
+/// per block in L1); in groups of 16 blocks, pass 3 read pass 1's stores while they
+/// were still in flight (5 ns); a whole unit row: 3.6 ns. The previous code also
+/// converted binary16 in scalar bit code and checked every scale in a separate pass
+/// (25 ns per block).
+/// Tried on Zen 5 (4.1 GHz, 3.1 ns = 13 cycles per block in L1) and not faster: codes
+/// picked into dword tops by vpermb (no shifts), integer maxima of |y| (no vmaxps), a tree
+/// fed in registers as the blocks come, scales by gather or scalar loads, pass 3 of the
+/// previous unit row run beside pass 1 of the next (software pipelining), a prefetch of
+/// the next tile: each 3.1-3.4 ns. The ablations add up piece by piece (pass 1 ~4, tree
+/// ~2, scales ~2, pass 3 ~4 cycles): ~45-55 instructions per block at 3.5-4.3 per cycle.
+/// Measured there: one 512-bit load and one 512-bit store per cycle, vpermt2b at 1.6 per
+/// cycle and competing with both the FMA and the add pipes. Lambdas that capture vector
+/// constants by reference must be inlined and their constants kept local: a store of
+/// codes (int8, which may alias anything) made GCC reload every captured constant.
+inline void rotate_tile_q8_0_uniform(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
+                                     const float* sin_tab) noexcept {
+    if (mask == k_tile_full)
+        detail_q8::rotate_tile<true>(tile, n_rot, mask, cos_tab, sin_tab);
+    else
+        detail_q8::rotate_tile<false>(tile, n_rot, mask, cos_tab, sin_tab);
 }
 
 namespace detail_q4 {
@@ -479,6 +492,7 @@ inline void scales_16(const float* sm, half* hd, float* id) noexcept {
 /// products and fused terms) into y[j] ([even dims (16), odd dims (16)]), lane-wise
 /// max(y, 0) into mp[j] and max(-y, 0) into mn[j]. Returns the blocks (bit j) whose
 /// stored scale is not finite.
+template <bool Full>
 inline std::uint32_t rotate_blocks(const block_q4_0* units, const std::uint8_t* cells, std::uint32_t ng,
                                    const vf (&c)[vpb], const vf (&s)[vpb], float (*y)[32], float (*mp)[vl],
                                    float (*mn)[vl]) noexcept {
@@ -492,7 +506,7 @@ inline std::uint32_t rotate_blocks(const block_q4_0* units, const std::uint8_t* 
 #endif
     std::uint32_t bad = 0;
     for (std::uint32_t j = 0; j < ng; ++j) {
-        const block_q4_0& blk = units[cells[j]];
+        const block_q4_0& blk = units[Full ? j : cells[j]];
         const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
         const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
 #if defined(__AVX512F__)
@@ -531,28 +545,11 @@ inline std::uint32_t rotate_blocks(const block_q4_0* units, const std::uint8_t* 
 }
 }  // namespace detail_q4
 
-/// q4_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA + F16C; with
-/// AVX-512F, 16-lane vectors): the passes of rotate_tile_q8_0_uniform, with q4_0's
-/// packing and rules. Byte 2t of a block holds dims 2t (low nibble) and 2t + 16 (high),
-/// byte 2t + 1 dims 2t + 1 and 2t + 17: the 8 words of a block, zero-extended and
-/// shifted right by 4 for pairs 8-15, give the even dims (bits 0-3) and the odd dims
-/// (bits 8-11) of the 16 pairs in pair order, so the cos / sin are loaded as for q8_0.
-/// (1) values (code - 8) * d, rotated with rotate_rows's products and fused terms, kept
-/// with the lane-wise max of y and of -y; (2) per block the largest value p and largest
-/// negated value n (two transposing trees): m = p if p > n, -n if n > p (the scale
-/// d = m / -8), and where p = n > 0 the first of the two in dimension order (from_float's
-/// tie rule, signed_max, run for those blocks only); scales rounded to binary16 and
-/// their inverses; (3) codes
-/// floor(fma(y, 1 / d, 8.5)) clamped to [0, 15] (clamping before the truncation gives
-/// the same codes), nibbles packed back. So the bytes are q4_0::from_float's of the
-/// generic path's rotated values (tests/kernels/test_kshift_quant.cpp). A block whose
-/// stored scale is not finite becomes what from_float makes of NaN values (NaN scale,
-/// codes 8).
-/// Why two trees: finding the first value of largest magnitude of every block (four
-/// compares and bit scans each) cost 9 ns per block, 1,100 of 1,580 ns per tile (Zen 5,
-/// L1, head dim 128); the trees and the rare ties: 690 ns (q8_0: 400 ns).
-inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
-                                     const float* sin_tab) noexcept {
+namespace detail_q4 {
+/// rotate_tile_q4_0_uniform; Full: every cell moves (block j is units[j]).
+template <bool Full>
+inline void rotate_tile(block_q4_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
+                        const float* sin_tab) noexcept {
     const std::uint32_t n_units = (n_rot + 31) / 32, n_pairs = n_rot / 2;
     std::uint8_t cells[k_tile];
     const std::uint32_t ng = detail_q8::moving_cells(mask, cells);
@@ -579,7 +576,7 @@ inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile
         detail_q4::vf c[detail_q4::vpb], s[detail_q4::vpb];
         detail_q8::unit_angles(u, n_pairs, cos_tab, sin_tab, c, s);
         // (1) dequantize, rotate, max y and max -y; bad: blocks whose stored scale is not finite
-        std::uint32_t bad = detail_q4::rotate_blocks(units, cells, ng, c, s, y, mp, mn);
+        std::uint32_t bad = detail_q4::rotate_blocks<Full>(units, cells, ng, c, s, y, mp, mn);
         // (2) block maxima, their signs, scales
         for (std::uint32_t h = 0; h < ng; h += 16) {
             detail_q8::lane_max_16(mp + h, pmax + h);
@@ -592,7 +589,7 @@ inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile
         }
         // (3) codes, nibbles packed back
         for (std::uint32_t j = 0; j < ng; ++j) {
-            block_q4_0& blk = units[cells[j]];
+            block_q4_0& blk = units[Full ? j : cells[j]];
 #if defined(__AVX512F__)
             const __m512 r = _mm512_set1_ps(id[j]);
             const __m512 v0 = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(_mm512_load_ps(y[j]), r, half8), zero), top);
@@ -621,6 +618,35 @@ inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile
         for (; bad != 0; bad &= bad - 1) [[unlikely]]
             detail_q4::store_nonfinite(units[cells[static_cast<std::uint32_t>(std::countr_zero(bad))]]);
     }
+}
+}  // namespace detail_q4
+
+/// q4_0 K-shift of one tile with one shared delta, in registers (AVX2 + FMA + F16C; with
+/// AVX-512F, 16-lane vectors): the passes of rotate_tile_q8_0_uniform, with q4_0's
+/// packing and rules. Byte 2t of a block holds dims 2t (low nibble) and 2t + 16 (high),
+/// byte 2t + 1 dims 2t + 1 and 2t + 17: the 8 words of a block, zero-extended and
+/// shifted right by 4 for pairs 8-15, give the even dims (bits 0-3) and the odd dims
+/// (bits 8-11) of the 16 pairs in pair order, so the cos / sin are loaded as for q8_0.
+/// (1) values (code - 8) * d, rotated with rotate_rows's products and fused terms, kept
+/// with the lane-wise max of y and of -y; (2) per block the largest value p and largest
+/// negated value n (two transposing trees): m = p if p > n, -n if n > p (the scale
+/// d = m / -8), and where p = n > 0 the first of the two in dimension order (from_float's
+/// tie rule, signed_max, run for those blocks only); scales rounded to binary16 and
+/// their inverses; (3) codes
+/// floor(fma(y, 1 / d, 8.5)) clamped to [0, 15] (clamping before the truncation gives
+/// the same codes), nibbles packed back. So the bytes are q4_0::from_float's of the
+/// generic path's rotated values (tests/kernels/test_kshift_quant.cpp). A block whose
+/// stored scale is not finite becomes what from_float makes of NaN values (NaN scale,
+/// codes 8).
+/// Why two trees: finding the first value of largest magnitude of every block (four
+/// compares and bit scans each) cost 9 ns per block, 1,100 of 1,580 ns per tile (Zen 5,
+/// L1, head dim 128); the trees and the rare ties: 690 ns (q8_0: 400 ns).
+inline void rotate_tile_q4_0_uniform(block_q4_0* tile, std::uint32_t n_rot, tile_mask mask, const float* cos_tab,
+                                     const float* sin_tab) noexcept {
+    if (mask == k_tile_full)
+        detail_q4::rotate_tile<true>(tile, n_rot, mask, cos_tab, sin_tab);
+    else
+        detail_q4::rotate_tile<false>(tile, n_rot, mask, cos_tab, sin_tab);
 }
 #endif
 
