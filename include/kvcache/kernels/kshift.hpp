@@ -382,7 +382,7 @@ inline void rotate_tile(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, c
 /// and their inverses (one vector division and conversion per 8 blocks); (3) codes round
 /// half away from zero of y / d clamped to +-127, bytes interleaved back. The arithmetic
 /// (products, fused terms, roundings) is that of rotate_rows and q8_0::from_float, so the
-/// bytes are identical to the generic path's (tests/element/test_quant_kshift.cpp). A
+/// bytes are identical to the generic path's (tests/kernels/test_kshift_quant.cpp). A
 /// block whose stored scale is not finite becomes what from_float makes of NaN values
 /// (NaN scale, zero codes), as in the generic path.
 /// Why passes over the whole unit row: done block by block, the chain max -> scale ->
