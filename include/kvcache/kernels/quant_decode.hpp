@@ -153,17 +153,10 @@ struct quant_tiles : converted_tiles<Element> {
 
 #if defined(KVCACHE_QDEC_512)
     // ---------------------------------------------------------------- AVX-512
-    /// Scale of the 16 units at `base`, `stride` bytes apart (binary16 -> f32).
-    static __m512 scales16(const char* base, std::int32_t stride) noexcept {
-        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(stride));
-        const __m512i g = _mm512_i32gather_epi32(idx, base, 1);
-        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-    }
     /// Scales of the 16 consecutive units at `base` (unit_bytes apart, as in a K tile or a
     /// transposed V tile): the binary16 words picked by one vpermt2w per 128-byte window
     /// (16 x 34 bytes: 4 windows), the windows' lanes or-ed together. Zen 5: ~9 cycles per
-    /// 16 scales against ~30 for the 16-lane gather of scales16. Reads only the 16 units'
+    /// 16 scales against ~30 for a 16-lane vpgatherdd. Reads only the 16 units'
     /// bytes (a window past them is a masked load, which does not fault).
     static __m512 scales16_run(const char* base) noexcept {
         constexpr std::uint32_t wpu = unit_bytes / 2;                  // binary16 words per unit
@@ -585,24 +578,21 @@ struct quant_tiles : converted_tiles<Element> {
         for (std::uint32_t u = 0; u < nv; ++u) {
             std::size_t cstep;
             const char* ubc = unit_at(u, cstep);
-            const auto stride = static_cast<std::int32_t>(cstep);
             float* wu = w + std::size_t{u} * M * k_tile;
 #if defined(KVCACHE_QDEC_512)
+            // A cell's units are unit_bytes apart (transposed V, or a row-major block of one
+            // unit) or come two to a cell (a row-major block of v_block = 64 dimensions).
+            static_assert(v_block == 64, "accumulate: row-major V blocks hold one or two units per cell");
             __m512 d0v, d1v;
-            if (cstep == unit_bytes) {  // transposed V: a run of units
+            if (cstep == unit_bytes) {  // a run of units
                 d0v = scales16_run(ubc);
                 d1v = scales16_run(ubc + 16 * cstep);
-            } else if (cstep == 2 * unit_bytes) {  // row-major V block of two units per cell
-                if (u % 2 == 0) {  // both units' scales at once, the second's kept for u + 1
-                    scales16_pairs(ubc, d0v, pair_next[0]);
-                    scales16_pairs(ubc + 16 * cstep, d1v, pair_next[1]);
-                } else {
-                    d0v = pair_next[0];
-                    d1v = pair_next[1];
-                }
+            } else if (u * 32 % v_block == 0) {  // both units' scales at once, the second's kept for u + 1
+                scales16_pairs(ubc, d0v, pair_next[0]);
+                scales16_pairs(ubc + 16 * cstep, d1v, pair_next[1]);
             } else {
-                d0v = scales16(ubc, stride);
-                d1v = scales16(ubc + 16 * cstep, stride);
+                d0v = pair_next[0];
+                d1v = pair_next[1];
             }
             for (std::size_t s = 0; s < M; ++s) {
                 const __m512 w0 = _mm512_maskz_mul_ps(static_cast<__mmask16>(mask[s]), _mm512_loadu_ps(p_buf + s * k_tile), d0v);
@@ -613,7 +603,7 @@ struct quant_tiles : converted_tiles<Element> {
             }
 #else
             __m256 dv8[4];
-            for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, stride);
+            for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, static_cast<std::int32_t>(cstep));
             const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
             for (std::size_t s = 0; s < M; ++s) {
                 __m256 sum = _mm256_setzero_ps();
