@@ -12,7 +12,8 @@
 // kshift_rope/<type>/<rope>/<llama3|yarn>/n_cells:16384/threads:<t> (scaled RoPE, paired with
 // the plain K-shift in each iteration; counter vs_plain = scaled / plain seconds),
 // attn_decode/<q8_0|q4_0>/n_kv:16384/threads:<1|2> (quantized K/V; counter vs_f16 = f16 /
-// quantized seconds, both decodes in the same iterations),
+// quantized seconds, both decodes in the same iterations), attn_decode_hot/<q8_0|q4_0>/
+// n_kv:2048/threads:1 (the same on one layer that stays in the caches; counter cyc_cell),
 // kshift/<q8_0|q4_0>/<rope>/n_cells:16384/threads:<1|2> (quantized K-shift paired with the f16
 // one in each iteration; counters vs_f16 and bw_frac),
 // membw_kv_pattern/threads:<t> (decode's two-stream read pattern with no arithmetic),
@@ -264,12 +265,16 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
 // kernels/quant_decode.hpp); counter
 // vs_f16 = f16 decode seconds / quantized decode seconds, the f16 decode of the same shape
 // run in the same iterations outside the timed region; GBps: quantized bytes read per second.
+// attn_decode_hot/<q8_0|q4_0>/n_kv:2048/threads:1: the same on one layer read again and
+// again (in the caches, not DRAM): what the kernels cost in instructions, the bound when
+// memory is not; counter cyc_cell = quantized seconds x the host's clock (KVCACHE_BENCH_GHZ,
+// default 4.1) / (cells x KV heads), and vs_f16 as above.
 template <class E>
-void attn_decode_quant(benchmark::State& state, std::uint32_t n_kv, int threads) {
+void attn_decode_quant(benchmark::State& state, std::uint32_t n_kv, int threads, bool hot = false) {
     const std::uint32_t hkv = n_head_kv_default;
     const std::size_t layer_bytes = std::size_t{n_kv} * hkv * kvcache::values_bytes<E>(head_dim * 2);
     const std::size_t f16_layer_bytes = std::size_t{n_kv} * hkv * kvcache::values_bytes<kvcache::f16>(head_dim * 2);
-    const std::uint32_t n_layer = cold_layers(layer_bytes), n_layer16 = cold_layers(f16_layer_bytes);
+    const std::uint32_t n_layer = hot ? 1 : cold_layers(layer_bytes), n_layer16 = hot ? 1 : cold_layers(f16_layer_bytes);
     cache_t<kvcache::f16>* const c16 = &shared_cache<kvcache::f16>(n_kv, n_kv, n_layer16, hkv);
     cache_t<E>* const cache = &shared_cache<E>(n_kv, n_kv, n_layer, hkv);
     const std::uint32_t nh = n_head;
@@ -300,6 +305,12 @@ void attn_decode_quant(benchmark::State& state, std::uint32_t n_kv, int threads)
     state.counters["threads"] = threads;
     state.counters["vs_f16"] = timer16.total / (timer.total > 0.0 ? timer.total : 1e-30);
     state.counters["GBps"] = static_cast<double>(layer_bytes) * iters / (timer.total > 0.0 ? timer.total : 1e-30) * 1e-9;
+    if (hot) {
+        const char* ghz = std::getenv("KVCACHE_BENCH_GHZ");
+        const double hz = (ghz != nullptr ? std::strtod(ghz, nullptr) : 4.1) * 1e9;
+        state.counters["cyc_cell"] = timer.total / iters * hz * threads / (static_cast<double>(n_kv) * hkv);
+        state.counters["cyc_cell_f16"] = timer16.total / iters * hz * threads / (static_cast<double>(n_kv) * hkv);
+    }
 }
 
 // ---------------------------------------------------------------- decode's access pattern, no arithmetic
@@ -873,6 +884,14 @@ const bool registered = [] {
         benchmark::RegisterBenchmark(("attn_decode/q4_0" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_decode_quant<kvcache::q4_0>(st, 16384, th); })
             ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        if (th == 1) {
+            benchmark::RegisterBenchmark("attn_decode_hot/q8_0/n_kv:2048/threads:1",
+                                         [](benchmark::State& st) { attn_decode_quant<kvcache::q8_0>(st, 2048, 1, true); })
+                ->UseRealTime()->Unit(benchmark::kMicrosecond);
+            benchmark::RegisterBenchmark("attn_decode_hot/q4_0/n_kv:2048/threads:1",
+                                         [](benchmark::State& st) { attn_decode_quant<kvcache::q4_0>(st, 2048, 1, true); })
+                ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        }
         for (auto rt : {kvcache::rope_type::normal, kvcache::rope_type::neox}) {
             const std::string rn = rt == kvcache::rope_type::normal ? "normal" : "neox";
             const std::string ks = "/" + rn + "/n_cells:16384/threads:" + std::to_string(th);
