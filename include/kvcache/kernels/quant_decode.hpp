@@ -33,13 +33,22 @@
 //   FMAs. q4_0 codes: AVX-512 looks (code - 8) up in a 16-entry table (one vpermps per 16
 //   values); AVX2 accumulates them as 0..15 and subtracts 8 * sum(w) once per block.
 //
-// Why a 16-bit query and not llama.cpp's 8-bit one (vpdpbusd on int8 q and K): with an
-// int8 query the error of q.K doubles for q8_0 K (the query's rounding, max|q| / 254 per
-// block, is as large as the K codes' own), which moved attention NMSE against the
+// Why a 16-bit query for q8_0 and not llama.cpp's 8-bit one (vpdpbusd on int8 q and K):
+// with an int8 query the error of q.K doubles for q8_0 K (the query's rounding, max|q| /
+// 254 per block, is as large as the K codes' own), which moved attention NMSE against the
 // unquantized float64 above llama.cpp's format with f32 queries (tests/element/
 // test_quant.cpp); int16 adds 2^-16 of the block's largest value: NMSE ~4e-10 against
 // the stored values, 1e5 times below the K/V rounding. It costs one sign extension per 4
-// rows and 16 cells, shared by all slots.
+// rows and 16 cells, shared by all slots (AVX-512 VNNI: a second vpdpbusd).
+// q4_0 K on AVX-512 VNNI and AVX2 takes the query as one signed byte per value (byte_query),
+// as llama.cpp's q4_0 dot products do: the 4-bit codes' own rounding is ~16x the byte
+// query's, so attention NMSE against the unquantized values stays 1.28e-2 (llama.cpp's
+// format with f32 queries: 1.26e-2) and the error against the stored values is ~3e-5.
+// VNNI: one vpdpbusd per 4 rows, 16 cells and slot on the stored nibbles (0..15), minus 8
+// sum(q) per block. AVX2: vpmaddubsw (nibbles x query bytes, int16 sums of two rows, 8 of
+// them added in int16 without overflow) and one vpmaddwd by ones per block, in place of a
+// sign extension, two vpmaddwd and two adds per 4 rows: q4_0 decode from the caches
+// 110 -> 79 cycles per cell and KV head (Zen 5, x86-64-v3 build).
 //
 // Results: each slot's scores and V sums depend on its own query and mask only (integer
 // sums are exact, the f32 steps run in a fixed order per slot, w = 0 outside its mask),
@@ -99,11 +108,21 @@ struct quant_tiles : converted_tiles<Element> {
     /// Bytes of one unit (34 or 18) and offset of its codes after the binary16 scale.
     static constexpr std::size_t unit_bytes = sizeof(T);
     static constexpr std::size_t codes_at = 2;
-#if defined(KVCACHE_QDEC_VNNI)
-    /// Largest |query code|: 127 * 256 + 127, so that each code splits into two signed bytes.
-    static constexpr float q_max = 32639.0f;
+#if defined(KVCACHE_QDEC_VNNI) || defined(KVCACHE_QDEC_256)
+    /// q4_0 on AVX-512 VNNI and AVX2: the query as one signed byte per value (see the top of
+    /// this file: the 4-bit K codes' rounding is ~16x the byte query's).
+    static constexpr bool byte_query = four_bit;
 #else
-    static constexpr float q_max = 32767.0f;
+    static constexpr bool byte_query = false;
+#endif
+#if defined(KVCACHE_QDEC_VNNI)
+    static constexpr bool vnni = true;
+    /// Largest |query code|: 127 * 256 + 127, so that each code splits into two signed bytes
+    /// (127 for a byte query).
+    static constexpr float q_max = byte_query ? 127.0f : 32639.0f;
+#else
+    static constexpr bool vnni = false;
+    static constexpr float q_max = byte_query ? 127.0f : 32767.0f;
 #endif
 
     /// Quantizes the M scaled queries of q_buf ([K row][slot], dk rows) to int16 per block
@@ -130,24 +149,29 @@ struct quant_tiles : converted_tiles<Element> {
                     q16[s * dk + std::size_t{u} * 32 + i] = static_cast<std::int16_t>(r);
                 }
             }
-#if defined(KVCACHE_QDEC_VNNI)
-        // Each int16 value as two signed bytes, q = 256 hi + lo (lo the signed low byte;
-        // |q| <= q_max keeps hi in -127..127), per slot and block [lo x 32][hi x 32], then
-        // the block sums of q: qb = dq + m * nu, sums after the bytes.
-        auto* qb = reinterpret_cast<std::int8_t*>(dq + m * nu);
-        auto* qsum = reinterpret_cast<std::int32_t*>(dq + m * nu + m * dk / 2);
-        for (std::size_t s = 0; s < m; ++s)
-            for (std::uint32_t u = 0; u < nu; ++u) {
-                std::int32_t sum = 0;
-                for (std::uint32_t i = 0; i < 32; ++i) {
-                    const std::int32_t q = q16[s * dk + std::size_t{u} * 32 + i];
-                    const auto lo = static_cast<std::int8_t>(static_cast<std::uint8_t>(q & 0xFF));
-                    qb[(s * nu + u) * 64 + i] = lo;
-                    qb[(s * nu + u) * 64 + 32 + i] = static_cast<std::int8_t>((q - lo) / 256);
-                    sum += q;
+#if defined(KVCACHE_QDEC_VNNI) || defined(KVCACHE_QDEC_256)
+        // VNNI: each int16 value as two signed bytes, q = 256 hi + lo (lo the signed low byte;
+        // |q| <= q_max keeps hi in -127..127), per slot and block [lo x 32][hi x 32]; a byte
+        // query (VNNI or AVX2): the codes as bytes, 32 per slot and block. Then the block
+        // sums of q: qb = dq + m * nu, sums after the bytes.
+        if constexpr (byte_query || vnni) {
+            constexpr std::size_t per = byte_query ? 32 : 64;  // bytes per slot and block
+            auto* qb = reinterpret_cast<std::int8_t*>(dq + m * nu);
+            auto* qsum = reinterpret_cast<std::int32_t*>(dq + m * nu + m * dk * per / 128);
+            for (std::size_t s = 0; s < m; ++s)
+                for (std::uint32_t u = 0; u < nu; ++u) {
+                    std::int32_t sum = 0;
+                    std::int8_t* b = qb + (s * nu + u) * per;
+                    for (std::uint32_t i = 0; i < 32; ++i) {
+                        const std::int32_t q = q16[s * dk + std::size_t{u} * 32 + i];
+                        const auto lo = static_cast<std::int8_t>(static_cast<std::uint8_t>(q & 0xFF));
+                        b[i] = lo;
+                        if constexpr (!byte_query) b[32 + i] = static_cast<std::int8_t>((q - lo) / 256);
+                        sum += q;
+                    }
+                    qsum[s * nu + u] = sum;
                 }
-                qsum[s * nu + u] = sum;
-            }
+        }
 #endif
     }
 
@@ -221,7 +245,9 @@ struct quant_tiles : converted_tiles<Element> {
         d1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(r, 1));
     }
     /// Codes of 16 units (cells c .. c + 15 of one K row block) as 8 vectors, vector g holding
-    /// rows [4g, 4g + 4) of every cell as 4 signed bytes (lane = cell).
+    /// rows [4g, 4g + 4) of every cell as 4 signed bytes (lane = cell); Raw: q4_0 nibbles as
+    /// stored (0..15).
+    template <bool Raw = false>
     static void k_codes16(const char* base, __m512i (&x)[8]) noexcept {
         if constexpr (!four_bit) {
             __m512i z[8];
@@ -266,7 +292,7 @@ struct quant_tiles : converted_tiles<Element> {
             const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
             const __m512i y[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
                                   _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
-            const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+            const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(Raw ? 0 : 8);
             for (int g = 0; g < 4; ++g) {
                 x[g] = _mm512_sub_epi8(_mm512_and_si512(y[g], nib), eight);  // values 4g..4g+3
                 x[g + 4] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(y[g], 4), nib), eight);  // 16+4g..
@@ -278,9 +304,9 @@ struct quant_tiles : converted_tiles<Element> {
     /// Codes of 16 units as 8 vectors of unsigned bytes (lane = cell, 4 rows per lane):
     /// q8_0 codes + 128, q4_0 nibbles as stored (0..15).
     static void k_codes16u(const char* base, __m512i (&x)[8]) noexcept {
-        k_codes16(base, x);
-        const __m512i off = _mm512_set1_epi8(four_bit ? 8 : -128);
-        for (int g = 0; g < 8; ++g) x[g] = four_bit ? _mm512_add_epi8(x[g], off) : _mm512_xor_si512(x[g], off);
+        k_codes16<true>(base, x);
+        if constexpr (!four_bit)
+            for (int g = 0; g < 8; ++g) x[g] = _mm512_xor_si512(x[g], _mm512_set1_epi8(-128));
     }
 
     /// q.K of the 32 cells of K tile `tile` of head h for M slots into out[s * 32 + cell]:
@@ -302,8 +328,10 @@ struct quant_tiles : converted_tiles<Element> {
         };
         // Both 16-cell halves of the tile per K unit: each query broadcast feeds two vpdpbusd
         // (one per half), half the broadcasts of a pass per half. 16 code vectors, 4 G
-        // accumulators and 2 broadcasts: G = 2 fits the 32 registers.
-        constexpr std::size_t G = M < 2 ? M : 2;
+        // accumulators and 2 broadcasts: G = 2 fits the 32 registers (byte query: one
+        // vpdpbusd per 4 rows, 16 cells and slot, 2 G accumulators: G = 4).
+        constexpr std::size_t G = byte_query ? (M < 4 ? M : 4) : (M < 2 ? M : 2);
+        const auto* qsum1 = reinterpret_cast<const std::int32_t*>(dq + M * nu + M * dk / 4);  // (byte query)
         __m512 f[M][2];
         for (std::size_t s = 0; s < M; ++s) f[s][0] = f[s][1] = _mm512_setzero_ps();
         for (std::uint32_t u = 0; u < nu; ++u) {
@@ -316,6 +344,24 @@ struct quant_tiles : converted_tiles<Element> {
             k_codes16u(base + 16 * unit_bytes, x[1]);
             const __m512 dk16[2] = {scales16_run(base), scales16_run(base + 16 * unit_bytes)};
             for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                if constexpr (byte_query) {  // sum = dot(nibbles, q) - 8 sum(q)
+                    __m512i acc[G][2];
+                    for (std::size_t s = 0; s < G; ++s) acc[s][0] = acc[s][1] = _mm512_setzero_si512();
+                    for (int g = 0; g < 8; ++g)
+                        for (std::size_t s = 0; s < G; ++s) {
+                            const __m512i qv = bq(qb + ((s0 + s) * nu + u) * 32 + 4 * g);
+                            for (int c = 0; c < 2; ++c) acc[s][c] = _mm512_dpbusd_epi32(acc[s][c], x[c][g], qv);
+                        }
+                    for (std::size_t s = 0; s < G; ++s) {
+                        const std::size_t su = (s0 + s) * nu + u;
+                        const __m512i corr = _mm512_set1_epi32(koff * qsum1[su]);
+                        const __m512 d = _mm512_set1_ps(dq[su]);
+                        for (int c = 0; c < 2; ++c)
+                            f[s0 + s][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[s][c], corr)),
+                                                           _mm512_mul_ps(dk16[c], d), f[s0 + s][c]);
+                    }
+                    continue;
+                }
                 __m512i lo[G][2], hi[G][2];
                 for (std::size_t s = 0; s < G; ++s) lo[s][0] = lo[s][1] = hi[s][0] = hi[s][1] = _mm512_setzero_si512();
                 for (int g = 0; g < 8; ++g)
@@ -445,7 +491,8 @@ struct quant_tiles : converted_tiles<Element> {
         return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(q[1]), static_cast<long long>(q[0])));
     }
     /// Codes of 8 units (cells c .. c + 7) as 8 vectors: vector g = rows [4g, 4g + 4) of every
-    /// cell as 4 signed bytes (lane = cell).
+    /// cell as 4 signed bytes (lane = cell); Raw: q4_0 nibbles as stored (0..15).
+    template <bool Raw = false>
     static void k_codes8(const char* base, __m256i (&x)[8]) noexcept {
         if constexpr (!four_bit) {
             __m256i z[8], t[8], w[8];
@@ -475,7 +522,7 @@ struct quant_tiles : converted_tiles<Element> {
             const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
             const __m256i y[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
                                   _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-            const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+            const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(Raw ? 0 : 8);
             for (int g = 0; g < 4; ++g) {
                 x[g] = _mm256_sub_epi8(_mm256_and_si256(y[g], nib), eight);
                 x[g + 4] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(y[g], 4), nib), eight);
@@ -490,6 +537,46 @@ struct quant_tiles : converted_tiles<Element> {
         const float* dq = this->k_buf + (M * kv.dim_k + 1) / 2;
         const std::uint32_t nu = kv.k_units(), dk = kv.dim_k;
         const char* kt = reinterpret_cast<const char*>(kv.k_tile_ptr(h, tile));
+        if constexpr (byte_query) {
+            // vpmaddubsw of the nibbles (0..15) with the query bytes: int16 sums of two rows
+            // (|x| <= 2 * 15 * 127), added over the 8 row groups of a block in int16 (<= 30480),
+            // then vpmaddwd with ones: one int32 lane per cell; sum - 8 sum(q) per block.
+            const auto* qb = reinterpret_cast<const char*>(dq + M * nu);
+            const auto* qsum = reinterpret_cast<const std::int32_t*>(dq + M * nu + M * dk / 4);
+            const __m256i ones = _mm256_set1_epi16(1);
+            constexpr std::size_t G = M < 4 ? M : 4;
+            for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 8) {
+                alignas(32) float f[M][8] = {};
+                for (std::uint32_t u = 0; u < nu; ++u) {
+                    const std::size_t off = (std::size_t{u} * k_tile + c0) * unit_bytes;
+                    const char* base = kt + off;
+                    if (pfk != nullptr)
+                        for (std::size_t o = 0; o < 8 * unit_bytes; o += 64) __builtin_prefetch(pfk + off + o, 0, 2);
+                    __m256i x[8];
+                    k_codes8<true>(base, x);
+                    const __m256 dk8 = scales8(base, static_cast<std::int32_t>(unit_bytes));
+                    for (std::size_t s0 = 0; s0 < M; s0 += G) {
+                        __m256i acc[G];
+                        for (std::size_t s = 0; s < G; ++s) acc[s] = _mm256_setzero_si256();
+                        for (int g = 0; g < 8; ++g)
+                            for (std::size_t s = 0; s < G; ++s) {
+                                std::int32_t qq;
+                                std::memcpy(&qq, qb + ((s0 + s) * nu + u) * 32 + 4 * g, sizeof qq);
+                                acc[s] = _mm256_add_epi16(acc[s], _mm256_maddubs_epi16(x[g], _mm256_set1_epi32(qq)));
+                            }
+                        for (std::size_t s = 0; s < G; ++s) {
+                            const std::size_t su = (s0 + s) * nu + u;
+                            const __m256i t = _mm256_sub_epi32(_mm256_madd_epi16(acc[s], ones), _mm256_set1_epi32(8 * qsum[su]));
+                            float* fs = f[s0 + s];
+                            _mm256_store_ps(fs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dk8, _mm256_set1_ps(dq[su])),
+                                                                _mm256_load_ps(fs)));
+                        }
+                    }
+                }
+                for (std::size_t s = 0; s < M; ++s) _mm256_storeu_ps(out + s * k_tile + c0, _mm256_load_ps(f[s]));
+            }
+            return;
+        }
         const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
         const __m256i dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
         constexpr std::size_t G = M < 2 ? M : 2;  // slots per pass (16 registers)
