@@ -202,6 +202,27 @@ inline void transpose16(__m512 (&r)[16]) noexcept {
 }
 #endif
 
+#if defined(__AVX2__)
+/// Transposes an 8 x 8 block of floats held as 8 rows in place (24 in-register shuffles).
+inline void transpose8(__m256 (&r)[8]) noexcept {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; ++g) {  // u[4g + e]: rows 4g..4g+3, element e of each 128-bit lane
+        u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+        u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+        u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; ++e) {
+        r[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+        r[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+    }
+}
+#endif
+
 /// True when some lane of x is above thr or either is NaN (`!(x <= thr)`, one compare:
 /// the online softmax's "max moved" test, which must also catch NaN logits).
 inline bool any_above_or_nan(const fbatch& x, const fbatch& thr) noexcept {
