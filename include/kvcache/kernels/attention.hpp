@@ -548,7 +548,7 @@ private:
                         for (std::uint32_t j = 0; j < l; ++j)
                             fbatch(r[j]).store_unaligned(vt_buf_ + std::size_t{c0 + j} * dv + d0);
                     }
-                for (tile_mask bits = d0 < dv ? any : 0; bits != 0; bits &= bits - 1) {  // dimensions past the last 16
+                for (tile_mask bits = d0 < dv ? any : 0; bits != 0; bits &= bits - 1) {  // dimensions past the last block of L
                     const auto j = static_cast<std::uint32_t>(std::countr_zero(bits));
                     v_column(vt + std::size_t{d0} * kv_.n_cells_pad + j, kv_.n_cells_pad, vt_buf_ + std::size_t{j} * dv + d0, dv - d0);
                 }
