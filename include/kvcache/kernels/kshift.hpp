@@ -205,18 +205,23 @@ inline void lane_max_16(const float (*m)[vl], float* out) noexcept {
 #endif
 }
 
-/// Scales of 16 blocks from their largest |value| (amax[16], finite): hd[j] = binary16
+/// Scales of 16 blocks from their largest |value| (amax[16]): hd[j] = binary16
 /// of amax[j] / 127 (round to nearest even, as scalar::f32_to_f16) and id[j] = 1 / d as
 /// q8_0::from_float computes it (0 where d is 0 or inf). Returns whether a scale is
 /// subnormal (0 < d < 2^-14): only then can |y| / d exceed 127.06 (a normal d is within
-/// 2^-11 of amax / 127), i.e. can a code need the clamp to +-127.
-inline bool scales_16(const float* amax, half* hd, float* id) noexcept {
+/// 2^-11 of amax / 127), i.e. can a code need the clamp to +-127. Sets bit j of bad for each
+/// amax[j] that is not finite (the block's stored scale was not: every value it dequantizes
+/// to is then NaN or infinite, while a finite scale gives |y| < 2^24).
+inline bool scales_16(const float* amax, half* hd, float* id, std::uint32_t& bad) noexcept {
     constexpr int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __m256 q = _mm256_set1_ps(127.0f), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     const __m256 min_normal = _mm256_set1_ps(6.103515625e-05f);  // 2^-14
-    int sub = 0;
+    const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    int sub = 0, nonfinite = 0;
     for (int k = 0; k < 2; ++k) {
-        const __m128i h = _mm256_cvtps_ph(_mm256_div_ps(_mm256_load_ps(amax + 8 * k), q), rn);
+        const __m256 a = _mm256_load_ps(amax + 8 * k);
+        nonfinite |= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_NLT_UQ)) << (8 * k);
+        const __m128i h = _mm256_cvtps_ph(_mm256_div_ps(a, q), rn);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(hd + 8 * k), h);
         const __m256 d = _mm256_cvtph_ps(h);
         const __m256 is_zero = _mm256_cmp_ps(d, zero, _CMP_EQ_OQ);
@@ -224,6 +229,7 @@ inline bool scales_16(const float* amax, half* hd, float* id) noexcept {
         // 1/0 = inf -> 0 (masked); 1/inf = 0 already
         _mm256_store_ps(id + 8 * k, _mm256_andnot_ps(is_zero, _mm256_div_ps(one, d)));
     }
+    bad = static_cast<std::uint32_t>(nonfinite);
     return sub != 0;
 }
 
@@ -283,11 +289,12 @@ inline void rotate_tile(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, c
         detail_q8::unit_angles(u, n_pairs, cos_tab, sin_tab, c, s);
         block_q8_0* units = tile + std::size_t{u} * k_tile;
         {
-            std::uint32_t bad = 0;  // blocks whose stored scale is not finite
+            std::uint32_t bad = 0;  // blocks whose stored scale is not finite (found in pass 2)
             // (1) dequantize, rotate (the products and fused terms of rotate_rows), max |y|
             for (std::uint32_t j = 0; j < ng; ++j) {
                 const block_q8_0& blk = units[Full ? j : cells[j]];
-                const std::uint16_t raw = detail_q8::scale_bits(blk, j, bad);
+                std::uint16_t raw;
+                std::memcpy(&raw, &blk.d, sizeof raw);
 #if defined(__AVX512F__)
                 const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(raw)));
                 const __m512i w = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs)));
@@ -297,7 +304,11 @@ inline void rotate_tile(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, c
                 const __m512 y1 = _mm512_fmadd_ps(x0, s[0], _mm512_mul_ps(x1, c[0]));
                 _mm512_store_ps(y[j], y0);
                 _mm512_store_ps(y[j] + 16, y1);
+#if defined(__AVX512DQ__)
+                _mm512_store_ps(m[j], _mm512_range_ps(y0, y1, 0x0B));  // max(|y0|, |y1|), sign cleared
+#else
                 _mm512_store_ps(m[j], _mm512_max_ps(_mm512_abs_ps(y0), _mm512_abs_ps(y1)));
+#endif
 #else
                 const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(raw)));
                 __m256 mx = _mm256_setzero_ps();
@@ -318,7 +329,9 @@ inline void rotate_tile(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, c
             bool clamp = false;
             for (std::uint32_t h = 0; h < ng; h += 16) {
                 detail_q8::lane_max_16(m + h, amax + h);
-                clamp = detail_q8::scales_16(amax + h, hd + h, id + h) || clamp;
+                std::uint32_t b16;
+                clamp = detail_q8::scales_16(amax + h, hd + h, id + h, b16) || clamp;
+                bad |= b16 << h;
             }
             // (3) codes: round(v) half away from zero = trunc(v + copysign(nextafter(0.5, 0), v)),
             // exact for every float; clamping first (or saturating after) gives the same codes.
