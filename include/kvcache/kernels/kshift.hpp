@@ -274,8 +274,18 @@ inline void rotate_tile(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, c
         for (auto& v : m[j]) v = 0.0f;
 #if defined(__AVX512F__)
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u)), low8 = _mm512_set1_epi32(0xff);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
     const __m512i almost_half = _mm512_set1_epi32(0x3effffff);  // nextafter(0.5f, 0)
+#if defined(__AVX512VBMI__)
+    const __m512i pick = [] {  // bytes 2i, 2i + 1: the low byte of dword i of the first, the second operand
+        alignas(64) std::uint8_t ix[64] = {};
+        for (int i = 0; i < 16; ++i) {
+            ix[2 * i] = static_cast<std::uint8_t>(4 * i);
+            ix[2 * i + 1] = static_cast<std::uint8_t>(64 + 4 * i);
+        }
+        return _mm512_load_si512(ix);
+    }();
+#endif
 #else
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 almost_half = _mm256_castsi256_ps(_mm256_set1_epi32(0x3effffff));  // nextafter(0.5f, 0)
@@ -349,9 +359,15 @@ inline void rotate_tile(block_q8_0* tile, std::uint32_t n_rot, tile_mask mask, c
                         v0, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(v0), sign, almost_half, 0xEA))));
                     const __m512i q1 = _mm512_cvttps_epi32(_mm512_add_ps(
                         v1, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(v1), sign, almost_half, 0xEA))));
+#if defined(__AVX512VBMI__)
+                    // byte 2i = even code i, byte 2i + 1 = odd code i: the dwords' low bytes, one vpermt2b
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs),
+                                        _mm512_castsi512_si256(_mm512_permutex2var_epi8(q0, pick, q1)));
+#else
                     // word i = even code i | odd code i << 8
-                    const __m512i wq = _mm512_ternarylogic_epi32(q0, low8, _mm512_slli_epi32(q1, 8), 0xEA);
+                    const __m512i wq = _mm512_ternarylogic_epi32(q0, _mm512_set1_epi32(0xff), _mm512_slli_epi32(q1, 8), 0xEA);
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs), _mm512_maskz_cvtepi32_epi16(0xffff, wq));
+#endif
                     blk.d = hd[j];
                 }
             };
