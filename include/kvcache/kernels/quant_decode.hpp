@@ -577,26 +577,36 @@ struct quant_tiles : converted_tiles<Element> {
             }
             return;
         }
-        const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-        const __m256i dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-        constexpr std::size_t G = M < 2 ? M : 2;  // slots per pass (16 registers)
+        const __m256i hadd_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+        constexpr std::size_t G = M < 4 ? M : 4;  // slots per pass: 2 G accumulators, the codes from memory
         for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 8) {
-            alignas(32) float f[M][2][8] = {};
+            alignas(32) float f[M][8] = {};  // cells 0, 1, 4, 5, 2, 3, 6, 7 (vphaddd order)
             for (std::uint32_t u = 0; u < nu; ++u) {
                 const std::size_t off = (std::size_t{u} * k_tile + c0) * unit_bytes;
                 const char* base = kt + off;
                 if (pfk != nullptr)  // the next tile's K lines, spread over the loop
                     for (std::size_t o = 0; o < 8 * unit_bytes; o += 64) __builtin_prefetch(pfk + off + o, 0, 2);
-                __m256i x[8];
-                k_codes8(base, x);
+                // The 8 code vectors go through the stack so that each row group is sign-extended
+                // once (vpmovsxbw from memory) for the 4 slots of a pass: in registers, 8 code
+                // vectors and 8 accumulators do not fit the 16 ymm, and 2 slots per pass repeated
+                // the extension (and its extract) per pair of slots. Per slot and unit the two
+                // accumulators' lane pairs are added in int32 (vphaddd: the block sum, exact) before
+                // one conversion and FMA. Zen 5, x86-64-v3 build, q8_0 decode from the caches:
+                // 100-102 -> 91 cycles per cell and KV head.
+                alignas(32) std::int8_t xs[8][32];
+                {
+                    __m256i x[8];
+                    k_codes8(base, x);
+                    for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(xs[g]), x[g]);
+                }
                 const __m256 dk8 = scales8(base, static_cast<std::int32_t>(unit_bytes));
-                const __m256 dlo = _mm256_permutevar8x32_ps(dk8, dup_lo), dhi = _mm256_permutevar8x32_ps(dk8, dup_hi);
+                const __m256 dkp = _mm256_permutevar8x32_ps(dk8, hadd_order);
                 for (std::size_t s0 = 0; s0 < M; s0 += G) {
                     __m256i ia[G][2];
                     for (std::size_t s = 0; s < G; ++s) ia[s][0] = ia[s][1] = _mm256_setzero_si256();
                     for (int g = 0; g < 8; ++g) {
-                        const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x[g]));       // cells 0..3
-                        const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x[g], 1));  // 4..7
+                        const __m256i lo = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(xs[g])));       // cells 0..3
+                        const __m256i hi = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(xs[g] + 16)));  // 4..7
                         for (std::size_t s = 0; s < G; ++s) {
                             std::int64_t qq;
                             std::memcpy(&qq, q16 + (s0 + s) * dk + std::size_t{u} * 32 + 4 * g, sizeof qq);
@@ -606,21 +616,18 @@ struct quant_tiles : converted_tiles<Element> {
                         }
                     }
                     for (std::size_t s = 0; s < G; ++s) {
-                        const __m256 d = _mm256_set1_ps(dq[(s0 + s) * nu + u]);
-                        float* fs = f[s0 + s][0];
-                        _mm256_store_ps(fs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[s][0]), _mm256_mul_ps(dlo, d),
+                        // the block sum per cell, exact: (a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, ...): cells 0,1,4,5 | 2,3,6,7
+                        const __m256i t = _mm256_hadd_epi32(ia[s][0], ia[s][1]);
+                        float* fs = f[s0 + s];
+                        _mm256_store_ps(fs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                                                            _mm256_mul_ps(dkp, _mm256_set1_ps(dq[(s0 + s) * nu + u])),
                                                             _mm256_load_ps(fs)));
-                        _mm256_store_ps(fs + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[s][1]), _mm256_mul_ps(dhi, d),
-                                                                _mm256_load_ps(fs + 8)));
                     }
                 }
             }
-            for (std::size_t s = 0; s < M; ++s) {
-                // hadd: (a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7): cells 0,1,4,5 | 2,3,6,7.
-                const __m256 hs = _mm256_hadd_ps(_mm256_load_ps(f[s][0]), _mm256_load_ps(f[s][1]));
+            for (std::size_t s = 0; s < M; ++s)
                 _mm256_storeu_ps(out + s * k_tile + c0,
-                                 _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(hs), 0xD8)));
-            }
+                                 _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_load_ps(f[s])), 0xD8)));
         }
     }
 
