@@ -264,7 +264,8 @@ void attn_decode(benchmark::State& state, std::uint32_t n_kv, int threads, std::
 // read in place: integer q.K on a 16-bit query, p.V with the scale folded into p;
 // kernels/quant_decode.hpp); counter
 // vs_f16 = f16 decode seconds / quantized decode seconds, the f16 decode of the same shape
-// run in the same iterations outside the timed region; GBps: quantized bytes read per second.
+// run in the same iterations outside the timed region; GBps: quantized bytes read per second;
+// f16_GBps: the f16 side's bytes read per second.
 // attn_decode_hot/<q8_0|q4_0>/n_kv:2048/threads:1: the same on one layer read again and
 // again (in the caches, not DRAM): what the kernels cost in instructions, the bound when
 // memory is not; counter cyc_cell = quantized seconds x the host's clock (KVCACHE_BENCH_GHZ,
@@ -305,6 +306,11 @@ void attn_decode_quant(benchmark::State& state, std::uint32_t n_kv, int threads,
     state.counters["threads"] = threads;
     state.counters["vs_f16"] = timer16.total / (timer.total > 0.0 ? timer.total : 1e-30);
     state.counters["GBps"] = static_cast<double>(layer_bytes) * iters / (timer.total > 0.0 ? timer.total : 1e-30) * 1e-9;
+    // The f16 side's own rate: compared across the threads:1 and threads:2 rows it shows
+    // whether the host gave the VM its full bandwidth (f16 about 2x on two threads) or held
+    // it back, which moves vs_f16 on two threads (bench/README.md, 2026-11-27, night).
+    state.counters["f16_GBps"] =
+        static_cast<double>(f16_layer_bytes) * iters / (timer16.total > 0.0 ? timer16.total : 1e-30) * 1e-9;
     if (hot) {
         const char* ghz = std::getenv("KVCACHE_BENCH_GHZ");
         const double hz = (ghz != nullptr ? std::strtod(ghz, nullptr) : 4.1) * 1e9;
@@ -773,7 +779,8 @@ void kshift_scaled(benchmark::State& state, kvcache::rope_type type, rope_varian
 // kshift/<q8_0|q4_0>/<rope>/n_cells:16384/threads:<t>: the K-shift of a quantized K
 // (dequantize, rotate with the exact angles, requantize the moved cells), paired with the
 // f16 K-shift of a cache with the same cells, each timed on its own in every iteration.
-// Counters: vs_f16 = f16 seconds / quantized seconds (target >= 0.8), bw_frac = quantized K
+// Counters: vs_f16 = f16 seconds / quantized seconds (target >= 0.8), f16_GBps = the f16
+// K-shift's bytes read and written per second, bw_frac = quantized K
 // bytes read and written per second over the read-modify-write yardstick.
 template <class E>
 void kshift_quant(benchmark::State& state, kvcache::rope_type type, int threads) {
@@ -803,6 +810,9 @@ void kshift_quant(benchmark::State& state, kvcache::rope_type type, int threads)
     // per-layer times: the two caches may hold a different number of layers (cold_layers)
     const double t = timer.total / static_cast<double>(n_layer), t16 = timer16.total / static_cast<double>(n_layer16);
     state.counters["vs_f16"] = t16 / (t > 0.0 ? t : 1e-30);
+    // the f16 K-shift's own read + write rate (see attn_decode_quant's f16_GBps)
+    state.counters["f16_GBps"] = 2.0 * static_cast<double>(f16_layer_bytes) * static_cast<double>(state.iterations()) /
+                                 (t16 > 0.0 ? t16 : 1e-30) * 1e-9;
 }
 
 template <class E>
