@@ -266,10 +266,6 @@ struct nmse_sum {
 // unquantized values q8_0 <= 2e-4, q4_0 <= 5e-2 (N(0, 1) data; typical: 5e-5 and 1.3e-2),
 // and, in the mean over a suite, at most 1.1x llama.cpp's format (the same blocks; only
 // the binary16 scale and, for NeoX, which 32 dimensions share a block differ).
-/// SIMD path against the stored values (see quant_check_attention).
-template <class E>
-constexpr double simd_tol = std::is_same_v<E, q4_0> ? 1e-4 : 3e-9;
-
 template <class E, class Layout>
 void quant_check_attention(const kvcache::model_shape& shape, const quant_fill& fc, std::uint32_t seed,
                            quant_attn_case ac, nmse_sum& sum) {
@@ -313,7 +309,7 @@ void quant_check_attention(const kvcache::model_shape& shape, const quant_fill& 
             std::vector<float> out(std::size_t{ac.n_q} * p.n_head * shape.dim_v(), -1.0f);
             kvcache::ops::attention(cache, layer, q.data(), qp.data(), qs.data(), ac.n_q, pp, out.data(), ws);
             for (float x : out) REQUIRE(std::isfinite(x));
-            CHECK(kvtest::nmse(out, want) <= (path == kvcache::ops::kernel_path::simd ? simd_tol<E> : 1e-10));
+            CHECK(kvtest::nmse(out, want) <= (path == kvcache::ops::kernel_path::simd ? kvtest::quant_simd_tol<E> : 1e-10));
             const double err = kvtest::nmse(out, want64);
             CHECK(err <= (four ? 5e-2 : 2e-4));
             if (path == kvcache::ops::kernel_path::simd) {
@@ -434,8 +430,8 @@ void quant_fast_decode_suite(std::uint32_t n_cells) {
                     std::vector<float> out(n_out, -1.0f);
                     kvcache::ops::attention(cache, 0, q.data(), qp.data(), qs.data(), n_q, pp, out.data(), ws);
                     for (float x : out) REQUIRE(std::isfinite(x));
-                    CHECK(kvtest::nmse(out, want) <= simd_tol<E>);
-                    CHECK(kvtest::nmse(out, scalar64) <= simd_tol<E>);
+                    CHECK(kvtest::nmse(out, want) <= kvtest::quant_simd_tol<E>);
+                    CHECK(kvtest::nmse(out, scalar64) <= kvtest::quant_simd_tol<E>);
                 }
             // Deterministic: each row alone, on 1 and 3 threads, gives the batch's bits.
             pp = p;

@@ -13,6 +13,12 @@
 
 namespace kvtest {
 
+/// NMSE tolerance of quantized attention's SIMD path against the stored (dequantized) values:
+/// q8_0's q.K runs on a 16-bit query (typical 4e-10), q4_0's on an 8-bit one as llama.cpp's
+/// q4_0 dot products do (typical 3e-5, 1/300 of the 4-bit K/V rounding; tests/element/test_quant.cpp).
+template <class E>
+constexpr double quant_simd_tol = std::is_same_v<E, kvcache::q4_0> ? 1e-4 : 3e-9;
+
 /// Normalised mean squared error: sum (got - want)^2 / sum want^2 (plain sum when want is 0).
 inline double nmse(const std::vector<float>& got, const std::vector<double>& want) {
     double num = 0.0, den = 0.0;

@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
-#include <type_traits>
 #include <vector>
 
 #include "kernels/kernel_test_util.hpp"
@@ -67,12 +66,6 @@ void qattn_fill(Cache& cache, std::uint32_t seed, std::vector<kvcache::pos_t>& q
     }
 }
 
-// SIMD against the stored values: q8_0's q.K runs on a 16-bit query (typical NMSE 4e-10),
-// q4_0's on an 8-bit one, as llama.cpp's q4_0 dot products do (typical 3e-5, 1/300 of the
-// 4-bit K/V rounding: tests/element/test_quant.cpp).
-template <class E>
-constexpr double simd_tol = std::is_same_v<E, kvcache::q4_0> ? 1e-4 : 3e-9;
-
 template <class E, class Layout>
 void qattn_suite(std::uint32_t dk, std::uint32_t dv) {
     kvcache::model_shape shape;
@@ -114,7 +107,7 @@ void qattn_suite(std::uint32_t dk, std::uint32_t dv) {
                 CAPTURE(threads);
                 const auto out = run(kvcache::ops::kernel_path::simd, threads);
                 for (float x : out) REQUIRE(std::isfinite(x));
-                CHECK(kvtest::nmse(out, want) <= simd_tol<E>);
+                CHECK(kvtest::nmse(out, want) <= kvtest::quant_simd_tol<E>);
             }
         }
     }

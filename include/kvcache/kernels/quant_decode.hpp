@@ -66,7 +66,7 @@
 #include <cstdint>  // fixed-width integers
 #include <cstring>  // std::memcpy
 #include <limits>   // quiet_NaN
-#include <type_traits>  // std::is_same_v
+#include <type_traits>  // std::is_same_v, std::conditional_t
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -125,6 +125,23 @@ struct quant_tiles : converted_tiles<Element> {
     static constexpr float q_max = byte_query ? 127.0f : 32767.0f;
 #endif
 
+    /// Bytes per slot and block of the query's byte form (prepare): 32 for a byte query, 64
+    /// for VNNI's two bytes per int16 value.
+    static constexpr std::size_t q_bytes_per_block = byte_query ? 32 : 64;
+    /// Where prepare puts the query's bytes (after the scales dq of m slots x nu blocks) and
+    /// their block sums (after the bytes).
+    /// (F: float or const float.)
+    template <class F>
+    static auto* q_bytes(F* dq, std::size_t m, std::uint32_t nu) noexcept {
+        using B = std::conditional_t<std::is_const_v<F>, const std::int8_t, std::int8_t>;
+        return reinterpret_cast<B*>(dq + m * nu);
+    }
+    template <class F>
+    static auto* q_sums(F* dq, std::size_t m, std::uint32_t nu) noexcept {
+        using S = std::conditional_t<std::is_const_v<F>, const std::int32_t, std::int32_t>;
+        return reinterpret_cast<S*>(dq + m * nu + m * nu * q_bytes_per_block / sizeof(float));
+    }
+
     /// Quantizes the M scaled queries of q_buf ([K row][slot], dk rows) to int16 per block
     /// of 32 rows into k_buf: q16 [slot][row], then the scales dq [slot][block].
     void prepare(const float* q_buf, std::size_t m, std::uint32_t dk) const noexcept {
@@ -155,9 +172,9 @@ struct quant_tiles : converted_tiles<Element> {
         // query (VNNI or AVX2): the codes as bytes, 32 per slot and block. Then the block
         // sums of q: qb = dq + m * nu, sums after the bytes.
         if constexpr (byte_query || vnni) {
-            constexpr std::size_t per = byte_query ? 32 : 64;  // bytes per slot and block
-            auto* qb = reinterpret_cast<std::int8_t*>(dq + m * nu);
-            auto* qsum = reinterpret_cast<std::int32_t*>(dq + m * nu + m * dk * per / 128);
+            constexpr std::size_t per = q_bytes_per_block;
+            std::int8_t* qb = q_bytes(dq, m, nu);
+            std::int32_t* qsum = q_sums(dq, m, nu);
             for (std::size_t s = 0; s < m; ++s)
                 for (std::uint32_t u = 0; u < nu; ++u) {
                     std::int32_t sum = 0;
@@ -317,8 +334,8 @@ struct quant_tiles : converted_tiles<Element> {
                [[maybe_unused]] const char* pfk) const noexcept {
         const std::uint32_t nu = kv.k_units(), dk = kv.dim_k;
         const float* dq = this->k_buf + (M * dk + 1) / 2;
-        const auto* qb = reinterpret_cast<const char*>(dq + M * nu);
-        const auto* qsum = reinterpret_cast<const std::int32_t*>(dq + M * nu + M * dk / 2);
+        const auto* qb = reinterpret_cast<const char*>(q_bytes(dq, M, nu));
+        const std::int32_t* qsum = q_sums(dq, M, nu);
         const char* kt = reinterpret_cast<const char*>(kv.k_tile_ptr(h, tile));
         constexpr std::int32_t koff = four_bit ? 8 : 128;
         auto bq = [](const char* p) {
@@ -331,7 +348,6 @@ struct quant_tiles : converted_tiles<Element> {
         // accumulators and 2 broadcasts: G = 2 fits the 32 registers (byte query: one
         // vpdpbusd per 4 rows, 16 cells and slot, 2 G accumulators: G = 4).
         constexpr std::size_t G = byte_query ? (M < 4 ? M : 4) : (M < 2 ? M : 2);
-        const auto* qsum1 = reinterpret_cast<const std::int32_t*>(dq + M * nu + M * dk / 4);  // (byte query)
         __m512 f[M][2];
         for (std::size_t s = 0; s < M; ++s) f[s][0] = f[s][1] = _mm512_setzero_ps();
         for (std::uint32_t u = 0; u < nu; ++u) {
@@ -354,7 +370,7 @@ struct quant_tiles : converted_tiles<Element> {
                         }
                     for (std::size_t s = 0; s < G; ++s) {
                         const std::size_t su = (s0 + s) * nu + u;
-                        const __m512i corr = _mm512_set1_epi32(koff * qsum1[su]);
+                        const __m512i corr = _mm512_set1_epi32(koff * qsum[su]);
                         const __m512 d = _mm512_set1_ps(dq[su]);
                         for (int c = 0; c < 2; ++c)
                             f[s0 + s][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[s][c], corr)),
@@ -541,8 +557,8 @@ struct quant_tiles : converted_tiles<Element> {
             // vpmaddubsw of the nibbles (0..15) with the query bytes: int16 sums of two rows
             // (|x| <= 2 * 15 * 127), added over the 8 row groups of a block in int16 (<= 30480),
             // then vpmaddwd with ones: one int32 lane per cell; sum - 8 sum(q) per block.
-            const auto* qb = reinterpret_cast<const char*>(dq + M * nu);
-            const auto* qsum = reinterpret_cast<const std::int32_t*>(dq + M * nu + M * dk / 4);
+            const auto* qb = reinterpret_cast<const char*>(q_bytes(dq, M, nu));
+            const std::int32_t* qsum = q_sums(dq, M, nu);
             const __m256i ones = _mm256_set1_epi16(1);
             constexpr std::size_t G = M < 4 ? M : 4;
             for (std::uint32_t c0 = 0; c0 < k_tile; c0 += 8) {
