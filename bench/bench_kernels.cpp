@@ -886,7 +886,7 @@ const bool registered = [] {
                 ->Unit(benchmark::kMillisecond);
     register_type<kvcache::f16>();
     register_multi<kvcache::f16>();
-    for (int th : {1, 2}) {
+    for (int th : {1, 2, 4, 8, 16}) {
         const std::string ts = "/n_kv:16384/threads:" + std::to_string(th);
         benchmark::RegisterBenchmark(("attn_decode/q8_0" + ts).c_str(),
                                      [th](benchmark::State& st) { attn_decode_quant<kvcache::q8_0>(st, 16384, th); })
