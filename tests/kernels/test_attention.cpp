@@ -496,7 +496,7 @@ TEST_CASE("attention: a reused workspace follows every change of the cells") {
     CHECK(cache.cells().stamp() == s0);  // reading never changes the stamp
 }
 
-TEST_CASE("prefetch_mode::automatic: interleaved for decode-shaped calls over more than 1 MiB of K/V (or on Intel)") {
+TEST_CASE("prefetch_mode::automatic: interleaved for decode-shaped items of calls over more than 1 MiB of K/V (or on Intel)") {
     using kvcache::ops::prefetch_mode;
     using kvcache::ops::detail_attn::resolve_prefetch;
     constexpr std::size_t mib = std::size_t{1} << 20;
@@ -510,6 +510,29 @@ TEST_CASE("prefetch_mode::automatic: interleaved for decode-shaped calls over mo
     const prefetch_mode other = intel ? prefetch_mode::interleaved : prefetch_mode::none;
     CHECK(resolve_prefetch(prefetch_mode::automatic, 4, mib) == other);        // fits in one core's L2
     CHECK(resolve_prefetch(prefetch_mode::automatic, 16, 64 * mib) == other);  // prefill: compute-bound
+}
+
+TEST_CASE("set_prefetch: each item of a call gets the mode resolve_prefetch gives for its own slots") {
+    using kvcache::ops::prefetch_mode;
+    using kvcache::ops::detail_attn::set_prefetch;
+    constexpr std::size_t mib = std::size_t{1} << 20;
+    kvcache::kernels::attn_shape sh;
+    // Explicit modes apply to every item, whatever its slots.
+    for (auto m : {prefetch_mode::none, prefetch_mode::burst, prefetch_mode::interleaved}) {
+        set_prefetch(sh, m, 64 * mib);
+        CHECK(sh.burst_prefetch == (m == prefetch_mode::burst));
+        CHECK(sh.interleaved_prefetch == (m == prefetch_mode::interleaved));
+        CHECK(sh.prefetch_max_slots == 16);
+    }
+    // automatic over a large call (decode rows beside a prefill chunk): decode-shaped items
+    // (<= 8 slots) interleave; 16-slot items do too on Intel only.
+    set_prefetch(sh, prefetch_mode::automatic, 64 * mib);
+    CHECK_FALSE(sh.burst_prefetch);
+    CHECK(sh.interleaved_prefetch);
+    CHECK(sh.prefetch_max_slots == (kvcache::cpu_is_intel() ? 16u : 8u));
+    // automatic over a small call: nothing to prefetch off Intel.
+    set_prefetch(sh, prefetch_mode::automatic, mib);
+    CHECK(sh.interleaved_prefetch == kvcache::cpu_is_intel());
 }
 
 TEST_CASE("tile_ahead: the prefetch target walks the tile ranges in visiting order, across ranges") {

@@ -163,6 +163,9 @@ struct attn_shape {
     std::int32_t window = 0;
     bool burst_prefetch = false;        ///< see ops::prefetch_mode
     bool interleaved_prefetch = false;  ///< see ops::prefetch_mode
+    /// Items of more query slots than this issue neither prefetch: in a call that mixes
+    /// decode rows with a prefill chunk, the prefill items may run without (8 or 16).
+    std::uint32_t prefetch_max_slots = 16;
 };
 
 /// Where the kernel reads tiles when they need no conversion (storage with SIMD loads).
@@ -366,7 +369,7 @@ private:
                 }
                 if (any != 0) {
                     pf_t_ = tile_ahead(ranges_, n_ranges_, r_, t_);
-                    if (sh_.burst_prefetch && pf_t_ != t_) {
+                    if (sh_.burst_prefetch && M <= sh_.prefetch_max_slots && pf_t_ != t_) {
                         // Burst: all of the K tile and V rows prefetch_tiles ahead, now. Written
                         // out here on purpose: in a helper function of their own, GCC deems the
                         // prefetches side-effect free and deletes the call.
@@ -411,7 +414,7 @@ private:
         const bool pf_v = !vt_;
         for (std::size_t g = 0; g < M; g += SG)
             for (std::size_t b0 = 0; b0 < B; b0 += CB) {  // (one pass when CB == B)
-            const bool pf_k = sh_.interleaved_prefetch && g == 0 && b0 == 0;
+            const bool pf_k = sh_.interleaved_prefetch && M <= sh_.prefetch_max_slots && g == 0 && b0 == 0;
             fbatch part[KC_used][SG][CB];
             for (std::size_t c = 0; c < KC_used; ++c)
                 for (std::size_t s = 0; s < SG; ++s)
