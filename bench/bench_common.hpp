@@ -104,8 +104,13 @@ inline void scale_range(float* p, std::size_t b, std::size_t e, float f) {
     for (std::size_t i = b; i < e; i += lanes) (batch::load_aligned(p + i) * fb).store_aligned(p + i);
 }
 
-/// Independent FMA chains in registers: more than FMA latency x FMA pipes on current x86 cores.
-constexpr int fma_chain_count = 16;
+/// Independent FMA chains in registers: more than FMA latency x FMA pipes on current x86
+/// cores (4 x 2), and few enough to stay in registers with the two constants: 16 with 32
+/// vector registers (AVX-512), 12 with 16 (AVX2). 16 chains on AVX2 left three of them on
+/// the stack, each step a load, FMA and store in a chain through memory, and the yardstick
+/// read about half the FMA peak (Zen 3: 27 against 59 G lane-FMA/s), so every AVX2
+/// `peak_frac` measured before 2026-11-27 reads about twice too high.
+constexpr int fma_chain_count = lanes >= 16 ? 16 : 12;
 
 /// fma_chain_count chains of `iters` FMA steps each (the FMA yardstick's loop); returns
 /// their sum so the compiler keeps them.
