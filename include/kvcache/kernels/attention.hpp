@@ -410,9 +410,8 @@ private:
         // Interleaved prefetch: the K tile and the V rows prefetch_tiles ahead, one 64-byte
         // line of each per step of the loop below (same byte offset in both).
         const char* pfk = reinterpret_cast<const char*>(kv_.k_tile_ptr(h_, pf_t_));
-        // Transposed V is not prefetched here: the K line is asked for twice instead (a
-        // no-op), which keeps the loop free of a branch per step.
-        const char* pfv = vt_ ? pfk : reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
+        const char* pfv = reinterpret_cast<const char*>(kv_.v_tile_ptr(h_, pf_t_));
+        const bool pf_v = !vt_;
         for (std::size_t g = 0; g < M; g += SG)
             for (std::size_t b0 = 0; b0 < B; b0 += CB) {  // (one pass when CB == B)
             const bool pf_k = sh_.interleaved_prefetch && M <= sh_.prefetch_max_slots && g == 0 && b0 == 0;
@@ -423,44 +422,24 @@ private:
             const float* const qb = q_buf_ + g;
             const S* const kb = kt + b0 * L;
             std::uint32_t d = 0;
-            // The steps, with the prefetch (the first pass of a tile) or without: two copies
-            // of the loop, so neither tests a flag per step.
-            // Pointers step through K rows, query values and prefetch lines. With indices
-            // recomputed from d and a flag tested per step, the AVX2 step was ~31
-            // instructions for its 8 FMAs, more than a Zen 3 core dispatches in the 4 cycles
-            // the FMAs take; now 22: one layer of decode in L3 5-12% faster, from DRAM 6-10%
-            // (Zen 3, alternating runs; bench/README.md, "The AVX2-only Zen 3").
-            auto steps = [&](auto prefetch) __attribute__((always_inline)) {
-                constexpr std::size_t step = KC_used * k_tile * sizeof(T);  // bytes of K rows per step
-                const std::size_t n_steps = dk / KC_used;
-                const S* kp = kb;
-                const float* qp = qb;
-                const char* pk = pfk;
-                const char* pv = pfv;
-                for (std::size_t i = 0; i < n_steps; ++i, kp += KC_used * k_tile, qp += KC_used * M) {
-                    if constexpr (decltype(prefetch)::value) {
-                        for (std::size_t o = 0; o < (step > 64 ? step : 64); o += 64) {
-                            __builtin_prefetch(pk + o, 0, 2);
-                            __builtin_prefetch(pv + o, 0, 2);  // (a prefetch never faults)
-                        }
-                        pk += step;
-                        pv += step;
-                    }
-                    for (std::size_t c = 0; c < KC_used; ++c) {
-                        fbatch krow[CB];
-                        for (std::size_t b = 0; b < CB; ++b) krow[b] = simd::load(kp + c * k_tile + b * L);
-                        for (std::size_t s = 0; s < SG; ++s) {
-                            const fbatch qd = simd::broadcast(qp + c * M + s);
-                            for (std::size_t b = 0; b < CB; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
-                        }
+            for (; d + KC_used <= dk; d += KC_used) {
+                if (pf_k) {
+                    constexpr std::size_t step = KC_used * k_tile * sizeof(T);  // bytes of K rows per step
+                    const std::size_t off = std::size_t{d} * k_tile * sizeof(T);
+                    for (std::size_t o = 0; o < (step > 64 ? step : 64); o += 64) {
+                        __builtin_prefetch(pfk + off + o, 0, 2);
+                        if (pf_v) __builtin_prefetch(pfv + off + o, 0, 2);  // (a prefetch never faults)
                     }
                 }
-                d = static_cast<std::uint32_t>(n_steps * KC_used);
-            };
-            if (pf_k)
-                steps(std::true_type{});
-            else
-                steps(std::false_type{});
+                for (std::size_t c = 0; c < KC_used; ++c) {
+                    fbatch krow[CB];
+                    for (std::size_t b = 0; b < CB; ++b) krow[b] = simd::load(kb + std::size_t{d + c} * k_tile + b * L);
+                    for (std::size_t s = 0; s < SG; ++s) {
+                        const fbatch qd = simd::broadcast(qb + std::size_t{d + c} * M + s);
+                        for (std::size_t b = 0; b < CB; ++b) part[c][s][b] = xsimd::fma(qd, krow[b], part[c][s][b]);
+                    }
+                }
+            }
             for (; d < dk; ++d) {
                 fbatch krow[CB];
                 for (std::size_t b = 0; b < CB; ++b) krow[b] = simd::load(kb + std::size_t{d} * k_tile + b * L);
