@@ -108,8 +108,8 @@ inline void scale_range(float* p, std::size_t b, std::size_t e, float f) {
 /// cores (4 x 2), and few enough to stay in registers with the two constants: 16 with 32
 /// vector registers (AVX-512), 12 with 16 (AVX2). 16 chains on AVX2 left three of them on
 /// the stack, each step a load, FMA and store in a chain through memory, and the yardstick
-/// read about half the FMA peak (Zen 3: 27 against 59 G lane-FMA/s), so every AVX2
-/// `peak_frac` measured before 2026-11-27 reads about twice too high.
+/// read about half the FMA peak (Zen 3: 27 against 47 G lane-FMA/s), so every AVX2
+/// `peak_frac` measured before 2026-11-27 reads about 1.75x too high.
 constexpr int fma_chain_count = lanes >= 16 ? 16 : 12;
 
 /// fma_chain_count chains of `iters` FMA steps each (the FMA yardstick's loop); returns
