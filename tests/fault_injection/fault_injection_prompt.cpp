@@ -871,9 +871,10 @@ void fip_sweep_compound(bool tight) {
     using world = fip_world_compound<Cache, Store>;
     const prompt_tokens fresh = toy::text(50, 5000);
     const prompt_tokens grown = toy::cat(fip_a, toy::text(3, 7000));
-    for (const auto& [name, req, slot_id] : {std::tuple{"compound prepare: a new prompt", fresh, 2},
-                                             std::tuple{"compound prepare: growing prompt from the global cache", grown, 2}})
-        fip_sweep_world<world>(name, tight, false, [req, slot_id](world& w) {
+    for (const auto& [name, request, slot] :
+         {std::tuple{"compound prepare: a new prompt", fresh, 2},
+          std::tuple{"compound prepare: growing prompt from the global cache", grown, 2}})
+        fip_sweep_world<world>(name, tight, false, [req = request, slot_id = slot](world& w) {
             request_options ro;
             ro.slot_id = slot_id;
             auto p = w.slots.prepare(req, ro);

@@ -179,7 +179,8 @@ TEST_CASE("rope variants: fixed values from llama.cpp's formulas") {
         const std::pair<std::uint32_t, double> facts[] = {{0, 1.0},         {14, 1.0},        {15, 1.6513292},
                                                           {16, 3.2922621},  {17, 9.666729},   {18, 32.0},
                                                           {31, 32.0}};
-        for (const auto& [i, ff] : facts) {
+        for (const auto& [fact_i, ff] : facts) {
+            const std::uint32_t i = fact_i;  // a structured binding: Clang 14 captures none (CAPTURE)
             CAPTURE(i);
             const double plain = std::pow(500000.0, -2.0 * i / 64.0);
             CHECK(plain / kvcache::kernels::rope_inv_freq(r, 64, i) == doctest::Approx(ff).epsilon(1e-6));
@@ -215,7 +216,9 @@ TEST_CASE("rope variants: fixed values from llama.cpp's formulas") {
             {30, 1000, 0.552307146011942, 0.9957076926713229},
             {50, 1000, 1.1386144312683226, 0.00584548442991768},
             {30, 123457, 0.9742170591431033, -0.5893879150909606}};
-        for (const auto& [i, p, c, s] : cs) {
+        for (const auto& [case_i, case_p, c, s] : cs) {
+            const std::uint32_t i = case_i;  // not structured bindings: Clang 14 captures none (CAPTURE)
+            const pos_t p = case_p;
             CAPTURE(i);
             CAPTURE(p);
             std::vector<float> x(128, 0.0f);

@@ -180,12 +180,12 @@ TEST_CASE("self_extend refuses invalid parameters and changes nothing") {
     for (auto st : {kvcache::ops::self_extend_state{0, 16, 0}, kvcache::ops::self_extend_state{4, 18, 0},
                     kvcache::ops::self_extend_state{4, 0, 0}, kvcache::ops::self_extend_state{4, 16, -1}}) {
         const auto copy = st;
-        CHECK_THROWS_AS(kvcache::ops::self_extend(c, 0, st, 40), kvcache::error);
+        CHECK_THROWS_AS(static_cast<void>(kvcache::ops::self_extend(c, 0, st, 40)), kvcache::error);
         CHECK(st.ga_i == copy.ga_i);
     }
     kvcache::ops::self_extend_state ok{4, 16, 0};
-    CHECK_THROWS_AS(kvcache::ops::self_extend(c, 0, ok, -5), kvcache::error);
-    CHECK_THROWS_AS(kvcache::ops::self_extend(c, 5, ok, 40), kvcache::error);
+    CHECK_THROWS_AS(static_cast<void>(kvcache::ops::self_extend(c, 0, ok, -5)), kvcache::error);
+    CHECK_THROWS_AS(static_cast<void>(kvcache::ops::self_extend(c, 5, ok, 40)), kvcache::error);
     CHECK(kvtest::snapshot(c) == before);
     kvcache::ops::self_extend_state one{1, 16, 0};
     CHECK(kvcache::ops::self_extend(c, 0, one, 40).value() == 40);  // ga_n = 1: nothing to group

@@ -116,8 +116,10 @@ TEST_CASE("slots F22: longest prefix above the threshold, else least recently us
     // busy slots are skipped; explicit busy / bad ids and all-busy are errors
     auto p0 = slots.prepare(a).value();
     CHECK(slots.busy(p0.slot));
-    CHECK_THROWS_WITH_AS(slots.prepare(a, {.slot_id = p0.slot}), doctest::Contains("is busy"), kvcache::error);
-    CHECK_THROWS_WITH_AS(slots.prepare(a, {.slot_id = 3}), doctest::Contains("slot = 3"), kvcache::error);
+    CHECK_THROWS_WITH_AS(static_cast<void>(slots.prepare(a, {.slot_id = p0.slot})),
+                         doctest::Contains("is busy"), kvcache::error);
+    CHECK_THROWS_WITH_AS(static_cast<void>(slots.prepare(a, {.slot_id = 3})),
+                         doctest::Contains("slot = 3"), kvcache::error);
     auto p1 = slots.prepare(a).value();
     auto p2 = slots.prepare(a).value();
     CHECK(p1.slot != p0.slot);
@@ -129,7 +131,8 @@ TEST_CASE("slots F22: longest prefix above the threshold, else least recently us
         CHECK(cache.used() == used);
         CHECK(slots.busy(p0.slot));
     }
-    CHECK_THROWS_WITH_AS(slots.prepare(prompt_tokens{}), doctest::Contains("no tokens"), kvcache::error);
+    CHECK_THROWS_WITH_AS(static_cast<void>(slots.prepare(prompt_tokens{})),
+                         doctest::Contains("no tokens"), kvcache::error);
     // commit_prompt before the host computed everything is refused
     CHECK_THROWS_WITH_AS(slots.commit_prompt(p0.slot), doctest::Contains("the request needs 99"), kvcache::error);
     CHECK_THROWS_WITH_AS(slots.append(p0.slot, 5), doctest::Contains("not generating"), kvcache::error);

@@ -23,13 +23,14 @@ struct value {
     double num = 0;
     std::string str;
     std::vector<value> arr;
-    std::vector<std::pair<std::string, value>> obj;
+    std::vector<std::string> keys;  // an object: member names, and their values in `members`
+    std::vector<value> members;
 
     /// Member `key` of an object; throws when this is not an object or has no such member.
     [[nodiscard]] const value& at(const std::string& key) const {
         if (k != kind::object) throw std::runtime_error("json: '" + key + "' looked up in a non-object");
-        for (const auto& [name, v] : obj)
-            if (name == key) return v;
+        for (std::size_t i = 0; i < keys.size(); ++i)
+            if (keys[i] == key) return members[i];
         throw std::runtime_error("json: no member '" + key + "'");
     }
     /// This number as an int; throws when it is not an integer in [lo, hi].
@@ -94,7 +95,8 @@ private:
                 if (peek() != '"') fail("expected a key");
                 std::string key = parse_string();
                 expect(':');
-                v.obj.emplace_back(std::move(key), parse_value(depth + 1));
+                v.keys.push_back(std::move(key));
+                v.members.push_back(parse_value(depth + 1));
                 if (peek() == ',') { ++i_; continue; }
                 expect('}');
                 return v;
