@@ -51,6 +51,7 @@
 #include "ops/rope.hpp"
 #include "ops/kshift.hpp"
 #include "ops/attention.hpp"
+#include "ops/instances.hpp"
 #include "ops/defrag.hpp"
 #include "ops/memory.hpp"
 #include "ops/context_shift.hpp"

@@ -222,6 +222,11 @@ void attention_suite(std::uint32_t n_cells, std::uint32_t n_seq, bool ring = fal
 
 }  // namespace
 
+// kvcache/ops/instances.hpp takes custom elements too: fx's kernels declared extern (as the
+// other units of a program would), then compiled here.
+KVCACHE_EXTERN_ATTENTION(fx)
+KVCACHE_INSTANTIATE_ATTENTION(fx)
+
 TEST_CASE("custom element: attention, contiguous layout (row-major V)") {
     attention_suite<kvcache::contiguous<>>(200, 3);
 }

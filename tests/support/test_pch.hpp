@@ -17,3 +17,5 @@
 
 #include <doctest/doctest.h>
 #include <kvcache/kvcache.hpp>
+
+#include "kernel_instances.hpp"  // the attention kernels: compiled once per flavour
