@@ -1,8 +1,4 @@
 // The attention kernels every test executable of one flavour shares (kernel_instances.hpp).
-#include <kvcache/kvcache.hpp>
+#include "kernel_instances.hpp"
 
-KVCACHE_INSTANTIATE_ATTENTION(kvcache::f32)
-KVCACHE_INSTANTIATE_ATTENTION(kvcache::f16)
-KVCACHE_INSTANTIATE_ATTENTION(kvcache::bf16)
-KVCACHE_INSTANTIATE_ATTENTION(kvcache::q8_0)
-KVCACHE_INSTANTIATE_ATTENTION(kvcache::q4_0)
+KVTEST_SHARED_KERNEL_ELEMENTS(KVCACHE_INSTANTIATE_ATTENTION)

@@ -8,8 +8,7 @@
 
 #include <kvcache/kvcache.hpp>
 
-KVCACHE_EXTERN_ATTENTION(kvcache::f32)
-KVCACHE_EXTERN_ATTENTION(kvcache::f16)
-KVCACHE_EXTERN_ATTENTION(kvcache::bf16)
-KVCACHE_EXTERN_ATTENTION(kvcache::q8_0)
-KVCACHE_EXTERN_ATTENTION(kvcache::q4_0)
+/// The element types whose kernels the tests share: X(Element) for each.
+#define KVTEST_SHARED_KERNEL_ELEMENTS(X) X(kvcache::f32) X(kvcache::f16) X(kvcache::bf16) X(kvcache::q8_0) X(kvcache::q4_0)
+
+KVTEST_SHARED_KERNEL_ELEMENTS(KVCACHE_EXTERN_ATTENTION)
