@@ -1,6 +1,6 @@
 // Helpers the kernel tests share (the folder is compiled as one translation unit, so each
 // helper exists once): error measures against the float64 references, the cache types a
-// templated test case runs over, and a cache's raw K or V bytes.
+// templated test case runs over, a cache's raw K or V bytes, and filling its free cells.
 #pragma once
 
 #include <kvcache/kvcache.hpp>
@@ -66,6 +66,26 @@ std::vector<typename Cache::storage_type> all_bytes(const Cache& cache, bool v_s
             out.insert(out.end(), one.begin(), one.end());
         }
     return out;
+}
+
+/// Sets every K and V value of every free cell (and of the padding cells past the
+/// capacity) to `value`, in every layer: a kernel that reads a free cell then poisons its
+/// output (NaN) or moves it far off (a large value).
+template <class Cache>
+void fill_free_cells(Cache& cache, float value) {
+    const auto& s = cache.shape();
+    typename Cache::storage_type bad;
+    Cache::element::from_float(&value, &bad, 1);
+    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
+        auto v = cache.storage().view(l);
+        for (std::uint32_t cell = 0; cell < v.n_cells_pad; ++cell) {
+            if (cell < cache.capacity() && !cache.cells().is_free(cell)) continue;
+            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
+                for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, cell, d)] = bad;
+                for (std::uint32_t d = 0; d < s.dim_v(); ++d) v.v[v.v_offset(h, cell, d)] = bad;
+            }
+        }
+    }
 }
 
 }  // namespace kvtest

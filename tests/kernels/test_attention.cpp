@@ -4,15 +4,19 @@
 #include <kvcache/kvcache.hpp>
 #include <kvcache/layout/paged.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "reference/attention_ref.hpp"
+#include "support/random_normal.hpp"
 #include "support/result_check.hpp"
+#include "support/sanitized.hpp"
 #include "kernels/kernel_test_util.hpp"
 
 namespace {
@@ -26,6 +30,7 @@ using kvcache::seq_id_t;
 
 struct scenario_cfg {
     std::uint32_t n_head_kv = 2, dk = 64, dv = 0, n_cells = 200, n_seq = 3, rounds = 30;
+    std::uint32_t max_batch = 8;  // each placement round places 1..max_batch cells
     bool holes = true, shared = true;
     bool query_at_end = false;  // every query row in sequence 0, one past its last position (decode)
     kvcache::rope_type rope = kvcache::rope_type::normal;  // NeoX stores K rows in pair order
@@ -34,13 +39,15 @@ struct scenario_cfg {
 
 // One sequence placed in order (no holes; its first 12 cells also copied to sequence 1),
 // every query one past its end: a decode whose tiles are whole, so the fused loop and
-// split-K run.
+// split-K run. Placed in rounds of 1..64 cells: each placement checkpoints the cell
+// table, so 1..8-cell rounds filling ~12K cells spent most of the test's time there.
 scenario_cfg tail_decode(std::uint32_t n_head_kv, std::uint32_t n_cells, std::uint32_t rounds) {
     scenario_cfg c;
     c.n_head_kv = n_head_kv;
     c.n_cells = n_cells;
     c.n_seq = 1;
     c.rounds = rounds;
+    c.max_batch = 64;
     c.holes = false;
     c.query_at_end = true;
     return c;
@@ -61,32 +68,45 @@ kvcache::model_shape make_shape(const scenario_cfg& c) {
 
 // Fills the cache the same way for the same seed whatever its element type: sequences
 // interleaved in the cells, holes from seq_rm, shared cells from seq_cp, NaN in every
-// free cell so that a kernel reading one arithmetically poisons the output.
-template <class Cache>
-void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed) {
+// free cell so that a kernel reading one arithmetically poisons the output. The twins
+// (caches of the same layout, any element type) get the same operations and values in
+// the same pass: check_case's f32 copy without drawing everything twice.
+template <class Cache, class... Twins>
+void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed, Twins&... twins) {
     std::mt19937 rng(seed);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
+    kvtest::normal_floats nd;
     const auto& s = cache.shape();
     std::vector<pos_t> next(c.n_seq + 1, 0);
     auto place_some = [&](std::uint32_t rounds) {
         for (std::uint32_t r = 0; r < rounds; ++r) {
             const auto sq = static_cast<seq_id_t>(rng() % c.n_seq);
-            const std::uint32_t n = 1 + rng() % 8;
-            if (n > cache.capacity() - cache.used()) break;
+            const std::uint32_t n = std::min<std::uint32_t>(1 + rng() % c.max_batch, cache.capacity() - cache.used());
+            if (n == 0) break;  // full
             std::vector<pos_t> pos(n);
             std::vector<seq_id_t> seq(n, sq);
             for (auto& p : pos) p = next[static_cast<std::size_t>(sq)]++;
             auto placed = cache.place(pos, seq);
             if (!placed.ok()) break;  // full (a paged layout also runs out of blocks)
             const auto& pl = placed.value();
+            auto place_twin = [&](auto& t) {
+                auto tp = t.place(pos, seq);
+                REQUIRE(tp.ok());
+                REQUIRE(tp.value().cells == pl.cells);
+            };
+            (place_twin(twins), ...);
             for (std::uint32_t l = 0; l < s.n_layer; ++l) {
                 std::vector<float> k(n * s.k_row_size()), v(n * s.v_row_size());
                 for (auto& x : k) x = nd(rng);
                 for (auto& x : v) x = nd(rng);
-                cache.write_k(l, pl.cells, k.data());
-                cache.write_v(l, pl.cells, v.data());
+                auto write = [&](auto& t) {
+                    t.write_k(l, pl.cells, k.data());
+                    t.write_v(l, pl.cells, v.data());
+                };
+                write(cache);
+                (write(twins), ...);
             }
             static_cast<void>(cache.commit());
+            (static_cast<void>(twins.commit()), ...);
         }
     };
     place_some(c.rounds);
@@ -94,27 +114,20 @@ void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed) {
         for (seq_id_t sq = 0; sq < static_cast<seq_id_t>(c.n_seq); ++sq) {
             const pos_t p0 = static_cast<pos_t>(rng() % 10);
             REQUIRE(cache.seq_rm(sq, p0, p0 + 3));
+            auto rm_twin = [&](auto& t) { REQUIRE(t.seq_rm(sq, p0, p0 + 3)); };
+            (rm_twin(twins), ...);
         }
         place_some(c.rounds / 3);
     }
     if (c.shared) {
         const auto dst = static_cast<seq_id_t>(c.n_seq);
         REQUIRE(cache.seq_cp(0, dst, 0, 12));
+        auto cp_twin = [&](auto& t) { REQUIRE(t.seq_cp(0, dst, 0, 12)); };
+        (cp_twin(twins), ...);
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    using T = typename Cache::storage_type;
-    T bad;
-    Cache::element::from_float(&nan, &bad, 1);
-    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
-        auto v = cache.storage().view(l);
-        for (std::uint32_t cell = 0; cell < v.n_cells_pad; ++cell) {
-            if (cell < cache.capacity() && !cache.cells().is_free(cell)) continue;
-            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
-                for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, cell, d)] = bad;
-                for (std::uint32_t d = 0; d < s.dim_v(); ++d) v.v[v.v_offset(h, cell, d)] = bad;
-            }
-        }
-    }
+    kvtest::fill_free_cells(cache, nan);
+    (kvtest::fill_free_cells(twins, nan), ...);
 }
 
 struct query_set {
@@ -155,10 +168,9 @@ void check_case(scenario_cfg c, std::uint32_t seed, std::uint32_t group, std::ui
     CAPTURE(p.n_threads);
     const auto shape = make_shape(c);
     Cache cache(shape);
-    build(cache, c, seed);
     using f32_cache = kvcache::kv_cache<kvcache::f32, typename Cache::layout>;
     f32_cache exact(shape);
-    build(exact, c, seed);
+    build(cache, c, seed, exact);
     p.n_head = c.n_head_kv * group;
     std::mt19937 rng(seed ^ 0x9e3779b9u);
     pos_t max_pos = 0;
@@ -273,10 +285,8 @@ TEST_CASE_TEMPLATE("attention decode split finely over long contexts matches the
     // finer one (parts of >= 4096 of the ~12.3K cells), so the merge sees an odd count.
     // Under AddressSanitizer (about 5x slower) only the 2-thread case, which has both.
     for (int threads : {2, 3}) {
-#ifdef __SANITIZE_ADDRESS__
-        if (threads == 3) continue;
-#endif
-        const scenario_cfg c = tail_decode(4, 12300, 3000);
+        if (kvtest::sanitized && threads == 3) continue;
+        const scenario_cfg c = tail_decode(4, 12300, 400);
         kvcache::ops::attention_params p;
         p.n_threads = threads;
         check_case<typename C::cache>(c, 4242u + static_cast<std::uint32_t>(threads), 4, 1, p, 1e-10, C::tol_f32);
@@ -293,7 +303,7 @@ TEST_CASE_TEMPLATE("attention decode with K and V heads of different sizes match
     const std::uint32_t dims[][2] = {{64, 128}, {128, 64}, {40, 32}, {96, 160}, {112, 112}, {24, 16}};
     for (const auto& dd : dims)
         for (std::uint32_t group : {1u, 2u, 4u}) {
-            scenario_cfg c = tail_decode(2, 700, 120);
+            scenario_cfg c = tail_decode(2, 700, 17);
             c.dk = dd[0];
             c.dv = dd[1];
             kvcache::ops::attention_params p;

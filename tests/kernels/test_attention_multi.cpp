@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "reference/attention_ref.hpp"
+#include "support/random_normal.hpp"
 #include "support/result_check.hpp"
 #include "kernels/kernel_test_util.hpp"
 
@@ -62,7 +63,7 @@ kvcache::model_shape make_shape(multi_cfg c) {
 template <class Cache>
 void build(Cache& cache, const multi_cfg& c, std::uint32_t seed) {
     std::mt19937 rng(seed);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
+    kvtest::normal_floats nd;
     const auto& s = cache.shape();
     std::vector<pos_t> next(c.n_seq + 1, 0);
     auto append = [&](seq_id_t sq, std::uint32_t n) {
@@ -98,19 +99,7 @@ void build(Cache& cache, const multi_cfg& c, std::uint32_t seed) {
         const pos_t p0 = 3 + static_cast<pos_t>(rng() % 20);
         REQUIRE(cache.seq_rm(sq, p0, p0 + 2));
     }
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    typename Cache::storage_type bad;
-    Cache::element::from_float(&nan, &bad, 1);
-    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
-        auto v = cache.storage().view(l);
-        for (std::uint32_t cell = 0; cell < v.n_cells_pad; ++cell) {
-            if (cell < cache.capacity() && !cache.cells().is_free(cell)) continue;
-            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
-                for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, cell, d)] = bad;
-                for (std::uint32_t d = 0; d < s.dim_v(); ++d) v.v[v.v_offset(h, cell, d)] = bad;
-            }
-        }
-    }
+    kvtest::fill_free_cells(cache, std::numeric_limits<float>::quiet_NaN());
 }
 
 struct rows {
@@ -400,19 +389,7 @@ void shared_build(Cache& cache, const shared_cfg& c, std::uint32_t seed) {
     } else {
         for (seq_id_t f = 0; f < static_cast<seq_id_t>(c.n_fork); ++f) append(f, c.own);
     }
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    typename Cache::storage_type bad;
-    Cache::element::from_float(&nan, &bad, 1);
-    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
-        auto v = cache.storage().view(l);
-        for (std::uint32_t cell = 0; cell < v.n_cells_pad; ++cell) {
-            if (cell < cache.capacity() && !cache.cells().is_free(cell)) continue;
-            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
-                for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, cell, d)] = bad;
-                for (std::uint32_t d = 0; d < s.dim_v(); ++d) v.v[v.v_offset(h, cell, d)] = bad;
-            }
-        }
-    }
+    kvtest::fill_free_cells(cache, std::numeric_limits<float>::quiet_NaN());
 }
 
 // One decode row per fork, a 5-row chunk of fork 1's last positions, a row of the last

@@ -102,20 +102,7 @@ void build(Cache& cache, const fill_cfg& c, std::uint32_t seed) {
         place_some(c.rounds / 3);
     }
     if (c.shared) REQUIRE(cache.seq_cp(0, static_cast<seq_id_t>(c.n_seq), 0, 12));
-    const float big = 1e4f;
-    using T = typename Cache::storage_type;
-    T bad;
-    Cache::element::from_float(&big, &bad, 1);
-    for (std::uint32_t l = 0; l < s.n_layer; ++l) {
-        auto v = cache.storage().view(l);
-        for (std::uint32_t cell = 0; cell < v.n_cells_pad; ++cell) {
-            if (cell < cache.capacity() && !cache.cells().is_free(cell)) continue;
-            for (std::uint32_t h = 0; h < s.n_head_kv; ++h) {
-                for (std::uint32_t d = 0; d < s.dim_k(); ++d) v.k[v.k_offset(h, cell, d)] = bad;
-                for (std::uint32_t d = 0; d < s.dim_v(); ++d) v.v[v.v_offset(h, cell, d)] = bad;
-            }
-        }
-    }
+    kvtest::fill_free_cells(cache, 1e4f);
 }
 
 kvcache::model_shape make_shape(std::uint32_t n_head_kv, std::uint32_t dk, std::uint32_t dv, std::uint32_t n_cells,
