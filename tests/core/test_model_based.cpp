@@ -18,6 +18,7 @@
 #include "reference/cache_model.hpp"
 #include "support/cache_snapshot.hpp"
 #include "support/result_check.hpp"
+#include "support/sanitized.hpp"
 
 namespace {
 
@@ -27,6 +28,14 @@ using kvcache::seq_id_t;
 std::uint64_t env_or(const char* name, std::uint64_t fallback) {
     const char* v = std::getenv(name);
     return v != nullptr ? std::strtoull(v, nullptr, 10) : fallback;
+}
+
+/// The number of random operations a test runs: KVCACHE_MODEL_OPS, else `n`; half of `n`
+/// under AddressSanitizer (each operation ~5x slower there; the normal build, which CI
+/// also runs, does all of them).
+std::uint64_t model_ops(std::uint64_t n) {
+    if (kvtest::sanitized) n /= 2;
+    return env_or("KVCACHE_MODEL_OPS", n);
 }
 
 /// The value the cache stores for x, computed with the scalar conversions.
@@ -303,23 +312,23 @@ void run_model_test(const char* label, std::uint64_t n_ops) {
 }  // namespace
 
 TEST_CASE("model-based random operations: f32") {
-    run_model_test<kvcache::kv_cache<kvcache::f32>>("f32", env_or("KVCACHE_MODEL_OPS", 60000));
+    run_model_test<kvcache::kv_cache<kvcache::f32>>("f32", model_ops(60000));
 }
 TEST_CASE("model-based random operations: f16") {
-    run_model_test<kvcache::kv_cache<kvcache::f16>>("f16", env_or("KVCACHE_MODEL_OPS", 60000));
+    run_model_test<kvcache::kv_cache<kvcache::f16>>("f16", model_ops(60000));
 }
 TEST_CASE("model-based random operations: bf16, transposed V") {
     run_model_test<kvcache::kv_cache<kvcache::bf16, kvcache::contiguous<kvcache::v_layout::transposed>>>(
-        "bf16/vt", env_or("KVCACHE_MODEL_OPS", 60000));
+        "bf16/vt", model_ops(60000));
 }
 TEST_CASE("model-based random operations: q8_0 (blocks of 32 values, one scale)") {
-    run_model_test<kvcache::kv_cache<kvcache::q8_0>>("q8_0", env_or("KVCACHE_MODEL_OPS", 8000));
+    run_model_test<kvcache::kv_cache<kvcache::q8_0>>("q8_0", model_ops(8000));
 }
 TEST_CASE("model-based random operations: q4_0, transposed V") {
     run_model_test<kvcache::kv_cache<kvcache::q4_0, kvcache::contiguous<kvcache::v_layout::transposed>>>(
-        "q4_0", env_or("KVCACHE_MODEL_OPS", 8000));
+        "q4_0", model_ops(8000));
 }
 TEST_CASE("model-based random operations: f16, transposed V") {
     run_model_test<kvcache::kv_cache<kvcache::contiguous<kvcache::v_layout::transposed>, kvcache::f16>>(
-        "f16/vt", env_or("KVCACHE_MODEL_OPS", 30000));
+        "f16/vt", model_ops(30000));
 }

@@ -193,7 +193,7 @@ void sweep(const std::string& name, bool tight, const std::function<std::string(
     const snap want_after = snapshot(done);
     const std::string want_next = next_place(done);
     int throws = 0;
-    for (long n = 1;; ++n) {
+    for (long n = 1;; n = fi::next_n(n)) {
         CAPTURE(n);
         M m = make_cache<M>(tight);
         if (prep) prep(m);
@@ -509,7 +509,7 @@ void rec_sweep(const std::string& name, bool tight, const std::function<std::str
     const std::string want_next = rec_next_place(done);
     const snap want_after_next = rec_snapshot(done);
     int throws = 0;
-    for (long n = 1;; ++n) {
+    for (long n = 1;; n = fi::next_n(n)) {
         CAPTURE(n);
         M m = rec_make<M>(tight);
         if (prep) prep(m);

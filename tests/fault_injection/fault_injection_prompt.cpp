@@ -277,7 +277,7 @@ void fip_sweep_world(const std::string& name, bool tight, bool strict, const std
     const std::string want_after = fip_observe(twin.cache, twin.slots);
     int throws = 0;
     std::string last;
-    for (long n = 1;; ++n) {
+    for (long n = 1;; n = fi::next_n(n)) {
         CAPTURE(n);
         World w(tight);
         if (prep) prep(w);
@@ -717,7 +717,7 @@ TEST_CASE("fault injection: prepare served from a storage tier is strong") {
     // completes, serving what the slot and global cache kept); any other leaves everything
     // as it was. The tiers' own counters count the fetches of failed calls: not compared.
     long throws = 0, absorbed = 0;
-    for (long n = 1;; ++n) {
+    for (long n = 1;; n = fi::next_n(n)) {
         CAPTURE(n);
         ft_world w(false);
         const std::string before = fip_observe(w.cache, w.slots, false);
