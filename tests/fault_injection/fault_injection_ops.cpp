@@ -1,6 +1,6 @@
 // Fault injection: every mutating operation of every memory, with an operator new that
 // throws std::bad_alloc at the N-th allocation after arming, for N = 1, 2, ... until the
-// operation completes. After each throw the memory must be bit-identical to a snapshot
+// operation completes (under the sanitizers every third N past the 64th: fi::next_n). After each throw the memory must be bit-identical to a snapshot
 // taken before (cell metadata, indexes, K/V bytes of occupied cells, block tables,
 // refcounts, free blocks, ring pruning points, transaction state) and must place the
 // next batch exactly like an untouched twin (slot-search head, paged open-block hints);

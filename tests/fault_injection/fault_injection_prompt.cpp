@@ -2,7 +2,7 @@
 // host entry point (slot_manager prepare / commit_prompt / save_checkpoint / release /
 // clear_slot, prompt_cache save / load / erase / evict_one / drop_invalid) runs with an
 // operator new that throws std::bad_alloc at the N-th allocation, N = 1, 2, ... until it
-// completes, on the contiguous and the paged layout with copy_store and shared_store
+// completes (under the sanitizers every third N past the 64th: fi::next_n), on the contiguous and the paged layout with copy_store and shared_store
 // entries.
 // Every operation is strong: after each throw everything is as it was before the call
 // (fip_observe: the cache's cell metadata, indexes, block tables, refcounts, the K/V
