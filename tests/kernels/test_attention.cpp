@@ -88,7 +88,7 @@ void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed, Twins&... tw
             auto placed = cache.place(pos, seq);
             if (!placed.ok()) break;  // full (a paged layout also runs out of blocks)
             const auto& pl = placed.value();
-            auto place_twin = [&](auto& t) {
+            [[maybe_unused]] auto place_twin = [&](auto& t) {
                 auto tp = t.place(pos, seq);
                 REQUIRE(tp.ok());
                 REQUIRE(tp.value().cells == pl.cells);
@@ -114,7 +114,7 @@ void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed, Twins&... tw
         for (seq_id_t sq = 0; sq < static_cast<seq_id_t>(c.n_seq); ++sq) {
             const pos_t p0 = static_cast<pos_t>(rng() % 10);
             REQUIRE(cache.seq_rm(sq, p0, p0 + 3));
-            auto rm_twin = [&](auto& t) { REQUIRE(t.seq_rm(sq, p0, p0 + 3)); };
+            [[maybe_unused]] auto rm_twin = [&](auto& t) { REQUIRE(t.seq_rm(sq, p0, p0 + 3)); };
             (rm_twin(twins), ...);
         }
         place_some(c.rounds / 3);
@@ -122,7 +122,7 @@ void build(Cache& cache, const scenario_cfg& c, std::uint32_t seed, Twins&... tw
     if (c.shared) {
         const auto dst = static_cast<seq_id_t>(c.n_seq);
         REQUIRE(cache.seq_cp(0, dst, 0, 12));
-        auto cp_twin = [&](auto& t) { REQUIRE(t.seq_cp(0, dst, 0, 12)); };
+        [[maybe_unused]] auto cp_twin = [&](auto& t) { REQUIRE(t.seq_cp(0, dst, 0, 12)); };
         (cp_twin(twins), ...);
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
