@@ -1,6 +1,6 @@
 // Fault injection: every mutating operation of every memory, with an operator new that
 // throws std::bad_alloc at the N-th allocation after arming, for N = 1, 2, ... until the
-// operation completes (under the sanitizers every third N past the 64th: fi::next_n). After each throw the memory must be bit-identical to a snapshot
+// operation completes. After each throw the memory must be bit-identical to a snapshot
 // taken before (cell metadata, indexes, K/V bytes of occupied cells, block tables,
 // refcounts, free blocks, ring pruning points, transaction state) and must place the
 // next batch exactly like an untouched twin (slot-search head, paged open-block hints);
@@ -193,7 +193,7 @@ void sweep(const std::string& name, bool tight, const std::function<std::string(
     const snap want_after = snapshot(done);
     const std::string want_next = next_place(done);
     int throws = 0;
-    for (long n = 1;; n = fi::next_n(n)) {
+    for (long n = 1;; ++n) {
         CAPTURE(n);
         M m = make_cache<M>(tight);
         if (prep) prep(m);
@@ -509,7 +509,7 @@ void rec_sweep(const std::string& name, bool tight, const std::function<std::str
     const std::string want_next = rec_next_place(done);
     const snap want_after_next = rec_snapshot(done);
     int throws = 0;
-    for (long n = 1;; n = fi::next_n(n)) {
+    for (long n = 1;; ++n) {
         CAPTURE(n);
         M m = rec_make<M>(tight);
         if (prep) prep(m);
