@@ -54,7 +54,10 @@ inline bool armed() { return countdown.load() > 0; }
 /// ends at the first n where the call completes). Every n in a normal build. Under the
 /// sanitizers every n up to 64, then every third: there each n rebuilds and compares the
 /// whole fixture at about a tenth of the speed, and the normal build of the same tests
-/// (CI runs both) tries every n.
+/// (CI runs both) tries every n. fault_injection_prompt uses it; fault_injection_ops tries
+/// every n there too: sampled, its iswa_cache "place + commit" sweep once failed at n = 169
+/// (the swa part's commit threw in its checkpoint copy, leaving the transaction open), a
+/// point the every-n sweep never reaches in commit; not yet understood.
 inline long next_n(long n) { return kvtest::sanitized && n >= 64 ? n + 3 : n + 1; }
 }  // namespace kvtest::fi
 
