@@ -31,7 +31,27 @@
 //   units before any FMA (their scale gathers overlap instead of stalling each unit's
 //   FMAs); each V unit is widened int8 -> int32 -> f32 in registers and accumulated with
 //   FMAs. q4_0 codes: AVX-512 looks (code - 8) up in a 16-entry table (one vpermps per 16
-//   values); AVX2 accumulates them as 0..15 and subtracts 8 * sum(w) once per block.
+//   values); AVX2's float path (below: a tile with a non-finite weight) accumulates them
+//   as 0..15 and subtracts 8 * sum(w) once per block.
+// - accumulate, q4_0 on AVX2 (accumulate_bytes): p.V on 8-bit weights. Where f16 decode is
+//   held by its own FMAs (an AVX2 core: 2 x 8 lanes per cycle), the float p.V issued the
+//   same 64 FMAs per cell and KV head as f16 (4 query heads, head dim 128) plus the codes'
+//   widening, and took ~68 of q4_0's ~106 cycles per cell and KV head (Zen 3, perf). Now
+//   the folded weights of each unit and slot are rounded to int8 per tile (step sw = max|w|
+//   / 127, or sum|w| / 2168 where that is larger, so that the tile's int16 sums cannot
+//   overflow), the nibbles of two cells are interleaved so that one vpmaddubsw multiplies
+//   16 dimensions of both cells by their two weights, the int16 sums of the tile's 16 cell
+//   pairs are widened and added to the f32 accumulators times sw, and 8 sw sum(wq) is taken
+//   off (the codes are 0..15). Per cell pair, unit and slot: 2 vpmaddubsw and 2 adds where
+//   the float path issued 8 FMAs. Zen 3 (2.445 GHz), attn_decode_hot/q4_0, least of 15
+//   runs on a contended host: 102-106 -> 75-81 cycles per cell and KV head.
+//   The weights' rounding (at most sw / 2 per cell and tile) adds NMSE ~5e-5 - 2.2e-4
+//   against the stored values; against the unquantized values q4_0's attention NMSE moves
+//   from 1.276e-2 to 1.278e-2 - 1.281e-2 (its 4-bit codes' own error). Each slot's weights are
+//   its own, so the deterministic mode holds. A NaN / inf weight (a bad scale a slot sees)
+//   sends the tile to the float path. q8_0 keeps float p.V: its codes' products with 8-bit
+//   weights overflow vpmaddubsw's int16 pair sums, and its 8-bit rounding is the size
+//   of the weights'.
 //
 // Why a 16-bit query for q8_0 and not llama.cpp's 8-bit one (vpdpbusd on int8 q and K):
 // with an int8 query the error of q.K doubles for q8_0 K (the query's rounding, max|q| /
@@ -676,6 +696,12 @@ struct quant_tiles : converted_tiles<Element> {
             cstep = bw / 32 * unit_bytes;
             return reinterpret_cast<const char*>(vtile + (std::size_t{d0} * k_tile + (u * 32 - d0)) / 32);
         };
+#if defined(KVCACHE_QDEC_256)
+        if constexpr (four_bit)
+            if (accumulate_bytes<M>(unit_at, nv, dv, any, mask, p_buf, acc, alpha, rescale, pfv,
+                                    reinterpret_cast<const char*>(vtile)))
+                return;
+#endif
         // Pass 1: the folded weights of every unit, w[(u M + s) 32 + cell] (and, AVX2 q4_0,
         // their sums wsum[u M + s]) in v_buf (32 dv floats: room for M <= 31). The units'
         // scale gathers are independent and overlap here; computed in front of each unit's
@@ -815,6 +841,189 @@ struct quant_tiles : converted_tiles<Element> {
 #endif
         }
     }
+
+#if defined(KVCACHE_QDEC_256)
+    /// accumulate_bytes' inner loop: a16[s][0 / 1] = the int16 sums over the tile's cell
+    /// pairs (those with a cell in `any`; Full: all 16) of dimensions 0..15 / 16..31 of V
+    /// unit `ubc` (cell j at j * cstep) times slot s's int8 weights (wr[s]: pair p's two
+    /// bytes in dword p). Straight loops (template sizes, no branch when Full): with a
+    /// branch or runtime slot counts GCC 12 copied the accumulators around every pair.
+    template <std::size_t GG, bool Full>
+    static void pv_pairs(const char* ubc, std::size_t cstep, const char* const (&wr)[GG], tile_mask any,
+                         const char* pf, __m256i (&a16)[GG][2]) noexcept {
+        const __m256i nib = _mm256_set1_epi8(0x0F);
+        for (std::size_t s = 0; s < GG; ++s) a16[s][0] = a16[s][1] = _mm256_setzero_si256();
+        for (std::uint32_t p = 0; p < k_tile / 2; ++p) {
+            if constexpr (!Full)
+                if (((any >> (2 * p)) & 3u) == 0) continue;
+            const std::size_t o = std::size_t{2 * p} * cstep;
+            __builtin_prefetch(pf + o, 0, 2);
+            __builtin_prefetch(pf + o + cstep, 0, 2);
+            const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ubc + o + codes_at));
+            const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ubc + o + cstep + codes_at));
+            // bytes 2k, 2k + 1: the two cells' byte k (k < 8 in the low lane)
+            const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(x0, x1), _mm_unpacklo_epi8(x0, x1));
+            const __m256i lo = _mm256_and_si256(v, nib);                         // dimensions 0..15
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);  // 16..31
+            for (std::size_t s = 0; s < GG; ++s) {
+                std::int32_t wp;
+                std::memcpy(&wp, wr[s] + 4 * p, sizeof wp);
+                const __m256i wv = _mm256_set1_epi32(wp);
+                a16[s][0] = _mm256_add_epi16(a16[s][0], _mm256_maddubs_epi16(lo, wv));
+                a16[s][1] = _mm256_add_epi16(a16[s][1], _mm256_maddubs_epi16(hi, wv));
+            }
+        }
+    }
+
+    /// AVX2, q4_0: p.V on int8 weights (see the top of this file). Returns false, with
+    /// nothing written to acc, when a folded weight is not finite (a NaN / inf scale a slot
+    /// sees): the float path then makes those rows NaN as documented.
+    /// 1. w = p * d_v per unit u, slot s and cell (0 outside mask[s]) into v_buf as floats,
+    ///    row i = u M + s.
+    /// 2. Per 8 rows: their max |w| and sum |w| (transposed reductions), the weight step
+    ///    sw = max(max / 127, sum / 2168) (the sum bound keeps 15 sum |wq| <= 32,767: the
+    ///    tile's 16 cell pairs add up in int16 without overflow; it exceeds the max bound only
+    ///    for weights spread over more than 17 cells, where each is many steps), the rows
+    ///    rounded to int8 and stored in place (row i's 64 bytes at 576 (i / 8) + 64 (i % 8),
+    ///    below the floats of every row not yet read) as 16 dwords, pair p's two weights
+    ///    twice in dword p; then the 8 rows' sw and 8 sw sum(wq) (576 (i / 8) + 512 / 544).
+    /// 3. Per unit, pairs of cells: their nibbles interleaved (dimension d of cells 2p and
+    ///    2p + 1 side by side), vpmaddubsw with the pair's weights (at most 2 x 15 x 127 per
+    ///    lane), int16 sums over the tile, widened, converted and added to acc times sw, less
+    ///    8 sw sum(wq) (the codes are 0..15).
+    template <std::size_t M, class UnitAt>
+    bool accumulate_bytes(UnitAt& unit_at, std::uint32_t nv, std::uint32_t dv, tile_mask any, const tile_mask* mask,
+                          const float* p_buf, float* acc, const float* alpha, bool rescale, const char* pfv,
+                          const char* vtile) const noexcept {
+        float* const w = this->v_buf;
+        const std::size_t rows = std::size_t{nv} * M;
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        {
+            // the slots' masks as float bit masks, once per tile (they do not depend on u)
+            alignas(32) float mk[M][k_tile];
+            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            for (std::size_t s = 0; s < M; ++s)
+                for (int k = 0; k < 4; ++k) {
+                    const auto bits = static_cast<int>((mask[s] >> (8 * k)) & 0xFFu);
+                    _mm256_store_ps(mk[s] + 8 * k, _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                                                       _mm256_and_si256(_mm256_set1_epi32(bits), lane), lane)));
+                }
+            // Sum of every weight: NaN or inf when one is (finite ones stay below 2^31).
+            __m256 chk = _mm256_setzero_ps();
+            for (std::uint32_t u = 0; u < nv; ++u) {
+                std::size_t cstep;
+                const char* ubc = unit_at(u, cstep);
+                __m256 dv8[4];
+                for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, static_cast<std::int32_t>(cstep));
+                for (std::size_t s = 0; s < M; ++s)
+                    for (int k = 0; k < 4; ++k) {
+                        const __m256 wk = _mm256_and_ps(_mm256_load_ps(mk[s] + 8 * k),
+                                                        _mm256_mul_ps(_mm256_loadu_ps(p_buf + s * k_tile + 8 * k), dv8[k]));
+                        _mm256_storeu_ps(w + (u * M + s) * k_tile + 8 * k, wk);
+                        chk = _mm256_add_ps(chk, wk);
+                    }
+            }
+            const __m256 bad = _mm256_cmp_ps(_mm256_and_ps(chk, abs_mask),
+                                             _mm256_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
+            if (!_mm256_testz_ps(bad, bad)) return false;
+        }
+        char* const wb = reinterpret_cast<char*>(w);
+        const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (std::size_t g0 = 0; g0 < rows; g0 += 8) {
+            const std::size_t n = rows - g0 < 8 ? rows - g0 : 8;
+            __m256 m[8], a[8];
+            for (std::size_t r = 0; r < 8; ++r) {
+                m[r] = a[r] = _mm256_setzero_ps();
+                if (r < n)
+                    for (int k = 0; k < 4; ++k) {
+                        const __m256 x = _mm256_and_ps(_mm256_loadu_ps(w + (g0 + r) * k_tile + 8 * k), abs_mask);
+                        m[r] = _mm256_max_ps(m[r], x);
+                        a[r] = _mm256_add_ps(a[r], x);
+                    }
+            }
+            // the 8 rows' maxima and sums, lane r = row g0 + r
+            __m256 t[4];
+            for (int r = 0; r < 4; ++r)
+                t[r] = _mm256_max_ps(_mm256_unpacklo_ps(m[2 * r], m[2 * r + 1]), _mm256_unpackhi_ps(m[2 * r], m[2 * r + 1]));
+            const __m256 h0 = _mm256_max_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
+            const __m256 h1 = _mm256_max_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
+            const __m256 mx = _mm256_max_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+            const __m256 a01 = _mm256_hadd_ps(a[0], a[1]), a23 = _mm256_hadd_ps(a[2], a[3]);
+            const __m256 a45 = _mm256_hadd_ps(a[4], a[5]), a67 = _mm256_hadd_ps(a[6], a[7]);
+            const __m256 a03 = _mm256_hadd_ps(a01, a23), a47 = _mm256_hadd_ps(a45, a67);
+            const __m256 sx = _mm256_add_ps(_mm256_permute2f128_ps(a03, a47, 0x20), _mm256_permute2f128_ps(a03, a47, 0x31));
+            const __m256 sw = _mm256_max_ps(_mm256_mul_ps(mx, _mm256_set1_ps(1.0f / 127.0f)),
+                                            _mm256_mul_ps(sx, _mm256_set1_ps(1.0f / 2168.0f)));
+            const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(sw, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                             _mm256_div_ps(_mm256_set1_ps(1.0f), sw));
+            __m256i sums[8];
+            char* const gb = wb + g0 / 8 * 576;
+            for (std::size_t r = 0; r < 8; ++r) {
+                sums[r] = _mm256_setzero_si256();
+                if (r >= n) continue;
+                const __m256 ir = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(static_cast<int>(r)));
+                __m256i q[4];
+                for (int k = 0; k < 4; ++k)
+                    q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w + (g0 + r) * k_tile + 8 * k), ir));
+                sums[r] = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+                // int32 -> int8 in cell order (packs works per 128-bit lane; the dword
+                // permutation puts the lanes' 4-cell groups back in order)
+                const __m256i b = _mm256_permutevar8x32_epi32(
+                    _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), byte_order);
+                const __m256i lo = _mm256_unpacklo_epi16(b, b), hi = _mm256_unpackhi_epi16(b, b);
+                char* out = gb + r * 64;  // over floats already read (rows <= g0 + r)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(lo, hi, 0x20));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+            }
+            const __m256i s01 = _mm256_hadd_epi32(sums[0], sums[1]), s23 = _mm256_hadd_epi32(sums[2], sums[3]);
+            const __m256i s45 = _mm256_hadd_epi32(sums[4], sums[5]), s67 = _mm256_hadd_epi32(sums[6], sums[7]);
+            const __m256i s03 = _mm256_hadd_epi32(s01, s23), s47 = _mm256_hadd_epi32(s45, s67);
+            const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(s03, s47, 0x20), _mm256_permute2x128_si256(s03, s47, 0x31));
+            _mm256_storeu_ps(reinterpret_cast<float*>(gb + 512), sw);
+            _mm256_storeu_ps(reinterpret_cast<float*>(gb + 544),
+                             _mm256_mul_ps(_mm256_mul_ps(sw, _mm256_set1_ps(8.0f)), _mm256_cvtepi32_ps(tot)));
+        }
+        auto row_at = [wb](std::size_t i) -> const char* { return wb + i / 8 * 576 + i % 8 * 64; };
+        auto meta = [wb](std::size_t i, std::size_t at) {
+            float f;
+            std::memcpy(&f, wb + i / 8 * 576 + at + i % 8 * 4, sizeof f);
+            return f;
+        };
+        for (std::uint32_t u = 0; u < nv; ++u) {
+            std::size_t cstep;
+            const char* ubc = unit_at(u, cstep);
+            float* ap = acc + std::size_t{u} * 32;
+            // (prefetching lines just read where there is no next tile keeps the loop straight)
+            const char* pf = pfv != nullptr ? pfv + (ubc - vtile) : ubc;
+            auto pass = [&](std::size_t s0, auto gg) {
+                constexpr std::size_t GG = decltype(gg)::value;
+                const char* wr[GG];
+                for (std::size_t s = 0; s < GG; ++s) wr[s] = row_at(u * M + s0 + s);
+                __m256i a16[GG][2];
+                if (any == k_tile_full)
+                    pv_pairs<GG, true>(ubc, cstep, wr, any, pf, a16);
+                else
+                    pv_pairs<GG, false>(ubc, cstep, wr, any, pf, a16);
+                for (std::size_t s = 0; s < GG; ++s) {
+                    const std::size_t i = u * M + s0 + s;
+                    const __m256 swv = _mm256_set1_ps(meta(i, 512)), corr = _mm256_set1_ps(meta(i, 544));
+                    const __m256 al = _mm256_set1_ps(rescale ? alpha[s0 + s] : 1.0f);
+                    for (int v = 0; v < 2; ++v) {
+                        float* a = ap + (s0 + s) * dv + v * 16;
+                        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a16[s][v])));
+                        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a16[s][v], 1)));
+                        _mm256_storeu_ps(a, _mm256_fmadd_ps(f0, swv, _mm256_fmsub_ps(_mm256_loadu_ps(a), al, corr)));
+                        _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(f1, swv, _mm256_fmsub_ps(_mm256_loadu_ps(a + 8), al, corr)));
+                    }
+                }
+            };
+            constexpr std::size_t G = M < 4 ? M : 4;  // slots per pass: 2 G int16 accumulators
+            for (std::size_t s0 = 0; s0 + G <= M; s0 += G) pass(s0, std::integral_constant<std::size_t, G>{});
+            if constexpr (M % G != 0) pass(M / G * G, std::integral_constant<std::size_t, M % G>{});
+        }
+        return true;
+    }
+#endif
 #else
     template <std::size_t M>
     void score(const kv_layer_view<const T>&, std::uint32_t, std::uint32_t, float*, const char*) const noexcept {}
