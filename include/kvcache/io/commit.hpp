@@ -134,13 +134,18 @@ result<prepared_commit> prepare_commit(const char* fn, Cache& cache, const stage
     return pc;
 }
 
-/// The K/V bytes of a committed state (after finish_commit_meta of every part): never throws
-/// once the copy plan is built, so every step that can throw precedes the first byte.
+/// The K/V bytes of a committed state (after finish_commit_meta of every part) by `plan`
+/// (make_copy_plan(info.cells)): never throws, so with every part's plan built first every
+/// step that can throw precedes the first byte (io/state.hpp, load_composite).
 template <class Cache>
-void write_state_kv(Cache& cache, const staged_state& st, const load_info& info) {
-    const copy_plan plan = make_copy_plan(info.cells);
+void write_state_kv(Cache& cache, const staged_state& st, const load_info& info, const copy_plan& plan) {
     for (std::uint32_t l = 0; l < cache.shape().n_layer; ++l)
         transfer_layer<false>(cache.storage().view(l), plan, info.cells, st.data + l * st.layer_bytes, nullptr);
+}
+/// The same, planning the copy first (the plan allocates; the writes after it do not).
+template <class Cache>
+void write_state_kv(Cache& cache, const staged_state& st, const load_info& info) {
+    write_state_kv(cache, st, info, make_copy_plan(info.cells));
 }
 
 /// Commit phase 2 without the K/V bytes (write_state_kv writes them).

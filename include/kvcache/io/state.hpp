@@ -143,9 +143,14 @@ result<load_info> load_composite(const char* fn, M& m, std::span<const std::byte
             infos.push_back(finish_commit_meta(part, staged[i], dst, std::move(prepared[i])));
             ++i;
         });
+        // Every part's copy plan before any part's bytes: a plan allocates, and a throw
+        // after part 0's bytes were written would leave them under part 0's old cells.
+        std::vector<copy_plan> plans;
+        plans.reserve(infos.size());
+        for (const load_info& in : infos) plans.push_back(make_copy_plan(in.cells));
         i = 0;
         m.for_each_part(internal_access{}, [&](auto& part) {
-            write_state_kv(part, staged[i], infos[i]);
+            write_state_kv(part, staged[i], infos[i], plans[i]);
             ++i;
         });
         return std::move(infos.front());

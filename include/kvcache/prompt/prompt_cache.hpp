@@ -634,11 +634,12 @@ public:
         if (it == entries_.end() || it->second.doomed)
             return detail::make_error(errc::invalid_argument, "prompt_cache::load: no entry with id " + std::to_string(id));
         if (!entry_valid(cache, it->second)) {
+            result<loaded> err = detail::make_error(errc::invalid_cell, "prompt_cache::load: entry " + std::to_string(id) +
+                                                                            " was invalidated: the cache changed its cells");
             const entry_id bad[] = {id};
             remove(cache, bad, false);
             ++metrics_.invalidated;
-            return detail::make_error(errc::invalid_cell, "prompt_cache::load: entry " + std::to_string(id) +
-                                                              " was invalidated: the cache changed its cells");
+            return err;
         }
         removal r;
         r.ids.reserve(1);
@@ -647,8 +648,9 @@ public:
         try {
             result<void> got = store_.load(cache, dst, it->second.state);
             if (!got) {
+                result<loaded> err = detail::make_error(got.code(), got.message());  // (allocates: before the count)
                 ++metrics_.load_failures;
-                return detail::make_error(got.code(), got.message());
+                return err;
             }
             doom(cache, r, id, false, false);  // the checkpoints move to the caller
             if (batch_) out.tokens = it->second.tokens;  // a rolled-back batch keeps the entry whole
