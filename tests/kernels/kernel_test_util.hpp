@@ -16,7 +16,7 @@ namespace kvtest {
 /// NMSE tolerance of quantized attention's SIMD path against the stored (dequantized) values:
 /// q8_0's q.K runs on a 16-bit query (typical 4e-10); q4_0's on an 8-bit one as llama.cpp's
 /// q4_0 dot products do (typical 3e-5) and, on AVX2, its p.V on 8-bit weights (rounded per
-/// tile, unit and query head: 5e-5 - 2.2e-4 seen); both far below the 4-bit K/V rounding
+/// tile, unit and query head: 1.5e-5 - 2.2e-4 seen); both far below the 4-bit K/V rounding
 /// (1.3e-2; tests/element/test_quant.cpp).
 template <class E>
 constexpr double quant_simd_tol = std::is_same_v<E, kvcache::q4_0> ? 5e-4 : 3e-9;
