@@ -710,12 +710,10 @@ struct quant_tiles : converted_tiles<Element> {
         [[maybe_unused]] float* const wsum = w + std::size_t{nv} * M * k_tile;
 #if defined(KVCACHE_QDEC_512)
         __m512 pair_next[2] = {};  // (scales16_pairs: the second unit of a two-unit block)
-#endif
         for (std::uint32_t u = 0; u < nv; ++u) {
             std::size_t cstep;
             const char* ubc = unit_at(u, cstep);
             float* wu = w + std::size_t{u} * M * k_tile;
-#if defined(KVCACHE_QDEC_512)
             // A cell's units are unit_bytes apart (transposed V, or a row-major block of one
             // unit) or come two to a cell (a row-major block of v_block = 64 dimensions).
             static_assert(v_block == 64, "accumulate: row-major V blocks hold one or two units per cell");
@@ -737,28 +735,10 @@ struct quant_tiles : converted_tiles<Element> {
                 _mm512_storeu_ps(wu + s * k_tile, w0);
                 _mm512_storeu_ps(wu + s * k_tile + 16, w1);
             }
-#else
-            __m256 dv8[4];
-            for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, static_cast<std::int32_t>(cstep));
-            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-            for (std::size_t s = 0; s < M; ++s) {
-                __m256 sum = _mm256_setzero_ps();
-                for (int k = 0; k < 4; ++k) {
-                    const auto bits = static_cast<int>((mask[s] >> (8 * k)) & 0xFFu);
-                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lane), lane);
-                    const __m256 wk = _mm256_and_ps(_mm256_castsi256_ps(on),
-                                                    _mm256_mul_ps(_mm256_loadu_ps(p_buf + s * k_tile + 8 * k), dv8[k]));
-                    _mm256_storeu_ps(wu + s * k_tile + 8 * k, wk);
-                    sum = _mm256_add_ps(sum, wk);
-                }
-                if constexpr (four_bit) {
-                    alignas(32) float t[8];
-                    _mm256_store_ps(t, sum);
-                    wsum[u * M + s] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-                }
-            }
-#endif
         }
+#else
+        static_cast<void>(fold_weights8<M>(unit_at, nv, mask, p_buf, w, four_bit ? wsum : nullptr));
+#endif
         // Pass 2: the FMAs, unit by unit.
         for (std::uint32_t u = 0; u < nv; ++u) {
             std::size_t cstep;
@@ -843,6 +823,48 @@ struct quant_tiles : converted_tiles<Element> {
     }
 
 #if defined(KVCACHE_QDEC_256)
+    /// AVX2: the folded weights w = p * d_v (exactly 0 outside mask[s]) of every unit u and
+    /// slot s into w (row u M + s, 32 cells), the slots' masks built once per tile; wsum (the
+    /// float p.V of q4_0) their sums per row, where not null. Returns whether every weight
+    /// is finite (the sum of all of them is NaN or inf otherwise; finite ones stay below 2^31).
+    template <std::size_t M, class UnitAt>
+    static bool fold_weights8(UnitAt& unit_at, std::uint32_t nv, const tile_mask* mask, const float* p_buf, float* w,
+                              float* wsum) noexcept {
+        alignas(32) float mk[M][k_tile];
+        const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        for (std::size_t s = 0; s < M; ++s)
+            for (int k = 0; k < 4; ++k) {
+                const auto bits = static_cast<int>((mask[s] >> (8 * k)) & 0xFFu);
+                _mm256_store_ps(mk[s] + 8 * k, _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                                                   _mm256_and_si256(_mm256_set1_epi32(bits), lane), lane)));
+            }
+        __m256 chk = _mm256_setzero_ps();
+        for (std::uint32_t u = 0; u < nv; ++u) {
+            std::size_t cstep;
+            const char* ubc = unit_at(u, cstep);
+            __m256 dv8[4];
+            for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, static_cast<std::int32_t>(cstep));
+            for (std::size_t s = 0; s < M; ++s) {
+                __m256 sum = _mm256_setzero_ps();
+                for (int k = 0; k < 4; ++k) {
+                    const __m256 wk = _mm256_and_ps(_mm256_load_ps(mk[s] + 8 * k),
+                                                    _mm256_mul_ps(_mm256_loadu_ps(p_buf + s * k_tile + 8 * k), dv8[k]));
+                    _mm256_storeu_ps(w + (u * M + s) * k_tile + 8 * k, wk);
+                    sum = _mm256_add_ps(sum, wk);
+                }
+                chk = _mm256_add_ps(chk, sum);
+                if (wsum != nullptr) {
+                    alignas(32) float t[8];
+                    _mm256_store_ps(t, sum);
+                    wsum[u * M + s] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+                }
+            }
+        }
+        const __m256 bad = _mm256_cmp_ps(_mm256_and_ps(chk, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))),
+                                         _mm256_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
+        return _mm256_testz_ps(bad, bad) != 0;
+    }
+
     /// accumulate_bytes' inner loop: a16[s][0 / 1] = the int16 sums over the tile's cell
     /// pairs (those with a cell in `any`; Full: all 16) of dimensions 0..15 / 16..31 of V
     /// unit `ubc` (cell j at j * cstep) times slot s's int8 weights (wr[s]: pair p's two
@@ -898,35 +920,7 @@ struct quant_tiles : converted_tiles<Element> {
         float* const w = this->v_buf;
         const std::size_t rows = std::size_t{nv} * M;
         const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        {
-            // the slots' masks as float bit masks, once per tile (they do not depend on u)
-            alignas(32) float mk[M][k_tile];
-            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-            for (std::size_t s = 0; s < M; ++s)
-                for (int k = 0; k < 4; ++k) {
-                    const auto bits = static_cast<int>((mask[s] >> (8 * k)) & 0xFFu);
-                    _mm256_store_ps(mk[s] + 8 * k, _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-                                                       _mm256_and_si256(_mm256_set1_epi32(bits), lane), lane)));
-                }
-            // Sum of every weight: NaN or inf when one is (finite ones stay below 2^31).
-            __m256 chk = _mm256_setzero_ps();
-            for (std::uint32_t u = 0; u < nv; ++u) {
-                std::size_t cstep;
-                const char* ubc = unit_at(u, cstep);
-                __m256 dv8[4];
-                for (int k = 0; k < 4; ++k) dv8[k] = scales8(ubc + k * 8 * cstep, static_cast<std::int32_t>(cstep));
-                for (std::size_t s = 0; s < M; ++s)
-                    for (int k = 0; k < 4; ++k) {
-                        const __m256 wk = _mm256_and_ps(_mm256_load_ps(mk[s] + 8 * k),
-                                                        _mm256_mul_ps(_mm256_loadu_ps(p_buf + s * k_tile + 8 * k), dv8[k]));
-                        _mm256_storeu_ps(w + (u * M + s) * k_tile + 8 * k, wk);
-                        chk = _mm256_add_ps(chk, wk);
-                    }
-            }
-            const __m256 bad = _mm256_cmp_ps(_mm256_and_ps(chk, abs_mask),
-                                             _mm256_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
-            if (!_mm256_testz_ps(bad, bad)) return false;
-        }
+        if (!fold_weights8<M>(unit_at, nv, mask, p_buf, w, nullptr)) return false;
         char* const wb = reinterpret_cast<char*>(w);
         const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (std::size_t g0 = 0; g0 < rows; g0 += 8) {
