@@ -11,7 +11,10 @@
 
 namespace kvtest::fi {
 inline std::atomic<long> countdown{0};  // > 0: armed; the allocation that brings it to 0 throws
-inline std::atomic<long> injected{0};   // failures injected so far
+// Failures injected so far. A sweep whose operation disarms by itself (fault_injection_prompt's
+// ops disarm before describing their result, which may allocate) tells an absorbed failure
+// by this count moving: disarm_fired() cannot tell that disarm from a failure that fired.
+inline std::atomic<long> injected{0};
 inline std::atomic<long> live{0};       // allocations not freed yet (a leak check)
 inline bool fail_now() noexcept {
     long c = countdown.load(std::memory_order_relaxed);
