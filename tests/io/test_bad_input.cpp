@@ -167,12 +167,16 @@ TEST_CASE("each fingerprint field mismatched") {
                        other([](auto& s) { s.rope.type = kvcache::rope_type::neox; }));
         expect_refused(b, whole, errc::shape_mismatch, "rope n_rot",
                        other([](auto& s) { s.rope.n_rot = 2; }));
-        expect_refused(b, whole, errc::shape_mismatch, "rope freq_base",
+        // the RoPE floats as numbers (small_shape's freq_base is the default, 10000)
+        expect_refused(b, whole, errc::shape_mismatch,
+                       "rope freq_base bits = 10000 (bits 0x00000000461c4000) in the state, the cache has 500000 "
+                       "(bits 0x0000000048f42400)",
                        other([](auto& s) { s.rope.freq_base = 500000.0f; }));
         expect_refused(b, whole, errc::shape_mismatch, "rope freq_scale",
                        other([](auto& s) { s.rope.freq_scale = 0.25f; }));
         // Same element size, other type (bf16 vs f16); other size (f32).
-        expect_refused<kvcache::kv_cache<kvcache::bf16>>(b, whole, errc::dtype_mismatch, "element type_id");
+        expect_refused<kvcache::kv_cache<kvcache::bf16>>(b, whole, errc::dtype_mismatch,
+                                                         "element type_id = 1 (f16) in the state, the cache has 2 (bf16)");
         expect_refused<kvcache::kv_cache<kvcache::f32>>(b, whole, errc::dtype_mismatch, "element type_id");
         expect_refused(patched<std::uint32_t>(b, off::elem_size, 4), whole, errc::dtype_mismatch, "element size");
         // Window: a layout with a window refuses a state saved with another one.

@@ -4,12 +4,19 @@
 // declared once: its width, its name in messages and what a loader accepts.
 #pragma once
 
+#include <bit>       // std::bit_cast (the RoPE floats in messages)
+#include <charconv>  // std::to_chars
 #include <cstdint>   // fixed-width integers
 #include <optional>  // a refusal or nothing
 #include <string>    // messages
 #include <tuple>        // the descriptor table (fields of several widths)
 #include <type_traits>  // std::is_same_v
 
+#include "../element/bf16.hpp"
+#include "../element/f16.hpp"
+#include "../element/f32.hpp"
+#include "../element/q4_0.hpp"
+#include "../element/q8_0.hpp"
 #include "../error.hpp"
 #include "fingerprint.hpp"
 #include "format.hpp"
@@ -74,6 +81,26 @@ inline maybe_problem flags(const state_header& h, const header_expect&) {
     return std::nullopt;
 }
 
+/// A fingerprint value as a refusal shows it: the RoPE floats as numbers (their stored bits
+/// after), the built-in elements' type ids with their names, the rest as numbers.
+inline std::string fp_show(const fp_field& d, std::uint32_t v) {
+    if (d.member == &fingerprint::freq_base_bits || d.member == &fingerprint::freq_scale_bits) {
+        char buf[64];
+        const auto r = std::to_chars(buf, buf + sizeof buf, std::bit_cast<float>(v), std::chars_format::fixed);
+        return std::string(buf, r.ptr) + " (bits " + hex(v) + ")";
+    }
+    if (d.member == &fingerprint::type_id) {
+        const char* name = v == f32::type_id    ? "f32"
+                           : v == f16::type_id  ? "f16"
+                           : v == bf16::type_id ? "bf16"
+                           : v == q8_0::type_id ? "q8_0"
+                           : v == q4_0::type_id ? "q4_0"
+                                                : "a custom element";
+        return std::to_string(v) + " (" + name + ")";
+    }
+    return std::to_string(v);
+}
+
 inline maybe_problem fingerprint(const state_header& h, const header_expect& e) {
     for (const fp_field& d : fingerprint_fields) {
         const std::uint32_t got = h.fp.*d.member;
@@ -81,8 +108,8 @@ inline maybe_problem fingerprint(const state_header& h, const header_expect& e) 
         if (d.rule == fp_rule::informational) continue;
         if (d.rule == fp_rule::window && (want == 0 || got == 0)) continue;
         if (got != want)
-            return parse_problem{d.code, std::string(d.name) + " = " + std::to_string(got) +
-                                             " in the state, the cache has " + std::to_string(want)};
+            return parse_problem{d.code, std::string(d.name) + " = " + fp_show(d, got) + " in the state, the cache has " +
+                                             fp_show(d, want)};
     }
     return std::nullopt;
 }
