@@ -144,9 +144,15 @@ public:
         }
     }
 
-    /// Writes K rows of attention layer l (a model layer) for the placed tokens.
-    void write_k(std::uint32_t l, const placement_type& p, const float* rows) { write("write_k", l, p, rows, false); }
+    /// Writes K rows of attention layer l (a model layer) for the placed tokens (float, half
+    /// or bfloat16 values, as kv_cache::write_k).
+    template <kv_row_value R>
+    void write_k(std::uint32_t l, const placement_type& p, const R* rows) { write("write_k", l, p, rows, false); }
     /// Writes V rows of attention layer l for the placed tokens.
+    template <kv_row_value R>
+    void write_v(std::uint32_t l, const placement_type& p, const R* rows) { write("write_v", l, p, rows, true); }
+    /// Float rows (also taking nullptr).
+    void write_k(std::uint32_t l, const placement_type& p, const float* rows) { write("write_k", l, p, rows, false); }
     void write_v(std::uint32_t l, const placement_type& p, const float* rows) { write("write_v", l, p, rows, true); }
     /// Convolution state of recurrent model layer l for sequence s (recurrent_memory::conv_state).
     [[nodiscard]] std::span<float> conv_state(std::uint32_t l, seq_id_t s) {
@@ -273,7 +279,8 @@ private:
                          std::string(fn) + ": layer " + std::to_string(l) + " is an attention layer, not recurrent");
         return local;
     }
-    void write(const char* fn, std::uint32_t l, const placement_type& p, const float* rows, bool is_v) {
+    template <class R>
+    void write(const char* fn, std::uint32_t l, const placement_type& p, const R* rows, bool is_v) {
         const auto [rec, local] = map_.at(check_layer(fn, l));
         if (rec)
             detail::fail(errc::invalid_argument,

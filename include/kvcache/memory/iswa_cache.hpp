@@ -197,9 +197,15 @@ public:
         }
     }
 
-    /// Writes K rows of model layer l for the placed tokens (n_head_kv x head_dim_k floats each).
-    void write_k(std::uint32_t l, const iswa_placement& p, const float* rows) { write("write_k", l, p, rows, false); }
+    /// Writes K rows of model layer l for the placed tokens (n_head_kv x head_dim_k values
+    /// each: float, half or bfloat16, as kv_cache::write_k).
+    template <kv_row_value R>
+    void write_k(std::uint32_t l, const iswa_placement& p, const R* rows) { write("write_k", l, p, rows, false); }
     /// Writes V rows of model layer l for the placed tokens.
+    template <kv_row_value R>
+    void write_v(std::uint32_t l, const iswa_placement& p, const R* rows) { write("write_v", l, p, rows, true); }
+    /// Float rows (also taking nullptr).
+    void write_k(std::uint32_t l, const iswa_placement& p, const float* rows) { write("write_k", l, p, rows, false); }
     void write_v(std::uint32_t l, const iswa_placement& p, const float* rows) { write("write_v", l, p, rows, true); }
 
     /// Commits both caches (the ring prunes what left the window).
@@ -348,7 +354,8 @@ private:
                                                           "cells, " + std::to_string(cells.free_count()) + " free");
         return {};
     }
-    void write(const char* fn, std::uint32_t l, const iswa_placement& p, const float* rows, bool is_v) {
+    template <class R>
+    void write(const char* fn, std::uint32_t l, const iswa_placement& p, const R* rows, bool is_v) {
         const auto [sw, local] = map_.at(check_layer(fn, l));
         if (sw && is_v)
             swa_.write_v(local, p.swa.cells, rows);

@@ -34,6 +34,7 @@
 #include <optional>   // checkpoints
 #include <span>       // batch inputs
 #include <string>     // messages
+#include <type_traits>  // std::is_same_v
 #include <utility>    // std::pair
 #include <vector>     // placements, staging
 
@@ -326,15 +327,26 @@ public:
     }
 
     /// Writes K rows for the placed cells of one layer: rows holds cells.size() rows of
-    /// n_head_kv x head_dim_k floats (head-major), converted to the element type.
-    void write_k(std::uint32_t layer, std::span<const std::uint32_t> cells, const float* rows) {
-        check_write("write_k", layer, cells, rows);
-        for (std::size_t i = 0; i < cells.size(); ++i) storage_.write_k(layer, cells[i], rows + i * shape_.k_row_size());
+    /// n_head_kv x head_dim_k values (head-major), float, half or bfloat16 (kv_row_value),
+    /// converted to the element type. Checks every argument before the first write, so a
+    /// refusal (kvcache::error) writes nothing. Never allocates.
+    template <kv_row_value R>
+    void write_k(std::uint32_t layer, std::span<const std::uint32_t> cells, const R* rows) {
+        check_write("write_k", layer, cells, rows == nullptr);
+        write_rows<false>(layer, cells, rows);
     }
-    /// Writes V rows (n_head_kv x head_dim_v floats each) for the placed cells of one layer.
+    /// Writes V rows (n_head_kv x head_dim_v values each) for the placed cells of one layer.
+    template <kv_row_value R>
+    void write_v(std::uint32_t layer, std::span<const std::uint32_t> cells, const R* rows) {
+        check_write("write_v", layer, cells, rows == nullptr);
+        write_rows<true>(layer, cells, rows);
+    }
+    /// Float rows (also taking nullptr with no cells).
+    void write_k(std::uint32_t layer, std::span<const std::uint32_t> cells, const float* rows) {
+        write_k<float>(layer, cells, rows);
+    }
     void write_v(std::uint32_t layer, std::span<const std::uint32_t> cells, const float* rows) {
-        check_write("write_v", layer, cells, rows);
-        for (std::size_t i = 0; i < cells.size(); ++i) storage_.write_v(layer, cells[i], rows + i * shape_.v_row_size());
+        write_v<float>(layer, cells, rows);
     }
 
     /// Whether placements are staged (a transaction is open).
@@ -634,8 +646,8 @@ private:
             detail::fail(errc::invalid_argument, std::string(fn) + ": cell = " + std::to_string(cell) +
                                                      ", must be < capacity = " + std::to_string(capacity()));
     }
-    void check_write(const char* fn, std::uint32_t layer, std::span<const std::uint32_t> cells, const float* rows) const {
-        if (!cells.empty() && rows == nullptr)
+    void check_write(const char* fn, std::uint32_t layer, std::span<const std::uint32_t> cells, bool null_rows) const {
+        if (!cells.empty() && null_rows)
             detail::fail(errc::invalid_argument, std::string(fn) + ": rows is null");
         for (std::uint32_t c : cells) {
             check_layer_cell(fn, layer, c);
@@ -644,6 +656,24 @@ private:
                              std::string(fn) + ": cell " + std::to_string(c) + " is free; place the batch first");
         }
         if (cells.empty()) check_layer_cell(fn, layer, 0);
+    }
+    // write_k / write_v after their checks: 16-bit rows widened one at a time into row_buf_.
+    template <bool IsV, class R>
+    void write_rows(std::uint32_t layer, std::span<const std::uint32_t> cells, const R* rows) {
+        const std::size_t n = IsV ? shape_.v_row_size() : shape_.k_row_size();
+        for (std::size_t i = 0; i < cells.size(); ++i) {
+            const float* row;
+            if constexpr (std::is_same_v<R, float>) {
+                row = rows + i * n;
+            } else {
+                detail::widen_row(rows + i * n, row_buf_.data(), n);
+                row = row_buf_.data();
+            }
+            if constexpr (IsV)
+                storage_.write_v(layer, cells[i], row);
+            else
+                storage_.write_k(layer, cells[i], row);
+        }
     }
     void check_ext(std::size_t n, std::span<const mrope_pos> ext) const {
         if (shape_.rope.mrope.on()) {
@@ -882,6 +912,7 @@ private:
     const cell_table* guard_ = nullptr;  // occupancy when the byte guard began (begin_guard), or none
     std::vector<bool> guard_done_;       // cells whose bytes the guard copied
     std::vector<cell_backup> guard_backup_;
+    std::vector<float> row_buf_ = std::vector<float>(std::max(shape_.k_row_size(), shape_.v_row_size()));  // write_rows
 };
 
 static_assert(memory<kv_cache<>> && kv_memory<kv_cache<>>, "kvcache: kv_cache must satisfy kvcache::kv_memory");

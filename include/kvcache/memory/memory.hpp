@@ -46,6 +46,7 @@
 #include "../cells/cell_table.hpp"
 #include "../error.hpp"
 #include "../model_shape.hpp"
+#include "../simd/convert.hpp"
 
 KVCACHE_BEGIN_NAMESPACE
 
@@ -56,6 +57,19 @@ struct memory_tag {};
 struct placement {
     std::vector<std::uint32_t> cells;
 };
+
+/// Value types the memories' write_k / write_v take rows in: float, or the 16-bit floats
+/// engines keep activations in, half (IEEE binary16) and bfloat16. A 16-bit row is widened
+/// to f32 (exactly) one row at a time, then stored like a float row: the bytes are those of
+/// writing the same values as floats, whatever the element.
+template <class R>
+concept kv_row_value = std::same_as<R, float> || std::same_as<R, half> || std::same_as<R, bfloat16>;
+
+namespace detail {
+/// Widens n row values to f32 (vectorised where the translation unit's flags allow).
+inline void widen_row(const half* src, float* dst, std::size_t n) noexcept { f16_to_f32(src, dst, n); }
+inline void widen_row(const bfloat16* src, float* dst, std::size_t n) noexcept { bf16_to_f32(src, dst, n); }
+}  // namespace detail
 
 /// Outcome of commit() / restore().
 enum class tx_result {
