@@ -18,11 +18,22 @@
 //     Counters (thread CPU time, not wall time): op_us (the pair), ckpt_us (one checkpoint,
 //     timed right after), n_ckpt (checkpoints the pair takes), ckpt_frac = n_ckpt x
 //     ckpt_us / op_us: the share of the pair's time the guarantee costs.
+//
+// checkpoint/decode_step/<layout>/n_cells:N
+//     One decode step's bookkeeping on a 1-layer f16 cache whose cells are nearly all used
+//     by 4 sequences (N / 4 - 64 tokens each): place one token for each sequence + commit,
+//     then seq_rm of the four (the cache returns to where it was). A checkpoint is now a
+//     rollback point whose changes are journaled (cell_table::mark); until 2026-11-29 it
+//     was a copy of the cell table, which is timed in the same run: copy_us (one copy into
+//     a reused table, as the checkpoints did), step_us (the step: 6 checkpoints),
+//     vs_copy = copy_us / step_us (how many whole steps one old checkpoint paid for).
 #include <benchmark/benchmark.h>
 
 #include <kvcache/element/f16.hpp>
 #include <kvcache/layout/paged.hpp>
 #include <kvcache/memory/kv_cache.hpp>
+
+#include <algorithm>
 
 #include <cstdint>
 #include <ctime>
@@ -122,6 +133,40 @@ void BM_checkpoint(benchmark::State& state) {
     state.counters["ckpt_frac"] = n_ckpt * ck_s / op_s;
 }
 
+template <class Cache>
+void BM_decode_step(benchmark::State& state) {
+    const auto n_cells = static_cast<std::uint32_t>(state.range(0));
+    kvcache::model_shape s = ckpt_shape();
+    s.n_layer = 1;
+    s.n_cells = n_cells;
+    Cache c(s);
+    const pos_t per = static_cast<pos_t>(n_cells / 4 - 64);
+    for (pos_t p = 0; p < per; p += 512)
+        for (seq_id_t q = 0; q < 4; ++q) ckpt_append(c, q, p, std::min<pos_t>(p + 512, per));
+    const std::vector<pos_t> pos(4, per);
+    const std::vector<seq_id_t> seqs = {0, 1, 2, 3};
+    const double t0 = ckpt_cpu_now();
+    std::int64_t n = 0;
+    for (auto _ : state) {
+        static_cast<void>(c.place(pos, seqs).value());
+        static_cast<void>(c.commit());
+        for (seq_id_t q = 0; q < 4; ++q) c.seq_rm(q, per, -1).value();
+        ++n;
+    }
+    const double step_s = (ckpt_cpu_now() - t0) / double(n);
+    kvcache::cell_table copy = c.cells();  // first copy allocates; the timed ones reuse nodes
+    constexpr int reps = 20;
+    const double t1 = ckpt_cpu_now();
+    for (int i = 0; i < reps; ++i) {
+        copy = c.cells();
+        benchmark::DoNotOptimize(copy);
+    }
+    const double copy_s = (ckpt_cpu_now() - t1) / reps;
+    state.counters["step_us"] = step_s * 1e6;
+    state.counters["copy_us"] = copy_s * 1e6;
+    state.counters["vs_copy"] = copy_s / step_s;
+}
+
 using ckpt_contig = kvcache::kv_cache<kvcache::f16>;
 using ckpt_paged = kvcache::kv_cache<kvcache::f16, kvcache::paged<32>>;
 
@@ -131,5 +176,7 @@ BENCHMARK(BM_checkpoint<ckpt_contig, ckpt_op::seq_add>)->Name("checkpoint/seq_ad
 BENCHMARK(BM_checkpoint<ckpt_paged, ckpt_op::seq_add>)->Name("checkpoint/seq_add/paged<32>/n_cells:4096");
 BENCHMARK(BM_checkpoint<ckpt_contig, ckpt_op::place_commit>)->Name("checkpoint/place_commit/contiguous/n_cells:4096");
 BENCHMARK(BM_checkpoint<ckpt_paged, ckpt_op::place_commit>)->Name("checkpoint/place_commit/paged<32>/n_cells:4096");
+BENCHMARK(BM_decode_step<ckpt_contig>)->Name("checkpoint/decode_step/contiguous")->ArgName("n_cells")->Arg(4096)->Arg(32768)->Arg(131072);
+BENCHMARK(BM_decode_step<ckpt_paged>)->Name("checkpoint/decode_step/paged<32>")->ArgName("n_cells")->Arg(4096)->Arg(32768)->Arg(131072);
 
 }  // namespace

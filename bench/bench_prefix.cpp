@@ -276,7 +276,7 @@ BENCHMARK_CAPTURE(prefix_hit_load, shared_store, kvcache::shared_store<llama_cac
 namespace {
 // slot_manager::prepare of a global hit (a 2,000-token shared_store entry loaded into an
 // idle slot, Llama-3.2-1B f16, 16,384 cells): with the strong guarantee (the undo journal:
-// a copy of the cell table, the byte guard, the prompt cache's batch) against the
+// the cell table's journal, the byte guard, the prompt cache's batch) against the
 // compound prepare (slot_options::strong_prepare = false), both timed in the same run on
 // twin caches, alternately. vs_compound = compound time / strong time.
 void prepare_hit(benchmark::State& state) {

@@ -19,9 +19,11 @@
 // layout's tables (block tables, refcounts, free blocks, placement hints, ring pruning
 // points), the slot-search head and the K/V bytes of occupied cells. That holds for error
 // results and for exceptions, std::bad_alloc included. Each operation first saves a
-// checkpoint (a copy of the cell table and the layout's tables, reusing the memory of the
-// previous one) and puts it back without allocating; K/V bytes are copied only after the
-// last step that can throw, and only into free cells. restore() returns to the checkpoint
+// checkpoint (a rollback point of the cell table, whose changes are then journaled as
+// their inverses: cell_table::mark, O(changes), not O(cells); plus a copy of the layout's
+// tables where the layout keeps any, reusing the memory of the previous one) and puts it
+// back without allocating; K/V bytes are copied only after the last step that can throw,
+// and only into free cells. restore() returns to the checkpoint
 // of the first staged placement and never throws. Free cells' K/V bytes are not state.
 // ops::apply_k_shift is refused (transaction_open) while placements are staged.
 #pragma once
@@ -31,7 +33,6 @@
 #include <cstdint>    // fixed-width integers
 #include <limits>     // position limits
 #include <memory>     // observer checkpoints
-#include <optional>   // checkpoints
 #include <span>       // batch inputs
 #include <string>     // messages
 #include <type_traits>  // std::is_same_v
@@ -275,9 +276,19 @@ public:
         const bool first = staged_.empty();
         checkpoint& cp = first ? tx_cp_ : op_cp_;
         save_checkpoint(cp);
+        if (first) tx_emptied_.clear();
         const std::size_t staged_before = staged_.size();
         const std::size_t backups_before = tx_backup_.size();
+        const std::size_t emptied_before = tx_emptied_.size();
         const std::uint32_t head_in = head_;
+        // The op's rollback point ends with it; a transaction's stays until commit / restore.
+        auto undo = [&]() noexcept {
+            load_checkpoint(cp);
+            staged_.resize(staged_before);
+            tx_backup_.resize(backups_before);
+            tx_emptied_.resize(emptied_before);
+            cells_.release(cp.cells);
+        };
         try {
             placement out;
             std::vector<cell_copy> copies;
@@ -285,7 +296,7 @@ public:
                 // Layout capability: the layout picks the cells and any copy-on-write of shared cells.
                 auto plan = storage_.plan_place(cells_, pos, seqs);
                 if (!plan) {
-                    load_checkpoint(cp);
+                    undo();
                     return detail::make_error(plan.code(), plan.message());
                 }
                 out.cells = std::move(plan.value().cells);
@@ -303,11 +314,18 @@ public:
             guard_cells(out.cells);
             for (const cell_copy& c : copies) guard_cell(c.dst);
             staged_.reserve(staged_.size() + n + copies.size());
+            if (!copies.empty()) tx_emptied_.reserve(tx_emptied_.size() + copies.size());
             for (const cell_copy& c : copies) {  // c.seq moves from c.src to its own copy c.dst
                 staged_.push_back(c.dst);
                 cells_.occupy(c.dst, cells_.pos(c.src), seq_set::of(c.seq), cells_.ext(c.src));
                 cells_.set_shift(c.dst, cells_.shift(c.src));
                 cells_.rm_seq(c.src, c.seq);
+                // Emptied: if it held K/V when the transaction began, a later placement of this
+                // transaction that takes it keeps those bytes for restore().
+                if (cells_.is_free(c.src) &&
+                    std::find(staged_.begin(), staged_.begin() + static_cast<std::ptrdiff_t>(staged_before), c.src) ==
+                        staged_.begin() + static_cast<std::ptrdiff_t>(staged_before))
+                    tx_emptied_.push_back(c.src);
             }
             for (std::uint32_t i = 0; i < n; ++i) {
                 staged_.push_back(out.cells[i]);
@@ -316,11 +334,10 @@ public:
             // K/V last (never throws): a throw above leaves every byte as it was.
             for (const cell_copy& c : copies) storage_.copy_cell(c.src, c.dst);
             if (n > 0) head_ = out.cells.back() + 1 == capacity() ? 0 : out.cells.back() + 1;
+            if (!first) cells_.release(op_cp_.cells);
             return out;
         } catch (...) {
-            load_checkpoint(cp);
-            staged_.resize(staged_before);
-            tx_backup_.resize(backups_before);
+            undo();
             head_ = head_in;
             throw;
         }
@@ -367,11 +384,12 @@ public:
                     storage_.on_commit(cells_);  // layout capability, e.g. SWA pruning
             } catch (...) {
                 load_checkpoint(op_cp_);
+                cells_.release(op_cp_.cells);
                 throw;
             }
+            cells_.release(op_cp_.cells);
         }
-        staged_.clear();
-        tx_backup_.clear();
+        end_tx();
         return tx_result::committed;
     }
 
@@ -382,22 +400,54 @@ public:
     tx_result restore() noexcept {
         if (staged_.empty()) return tx_result::nothing_staged;
         load_checkpoint(tx_cp_);
-        staged_.clear();
         for (const cell_backup& b : tx_backup_) put_cell_bytes(b);  // raw copies: never throws
-        tx_backup_.clear();
+        end_tx();
         return tx_result::restored;
     }
 
-    /// Everything a rollback needs: cell table, the layout's tables, the slot-search head.
-    /// Library components use it for compound operations (ops/, reuse/, io/).
+    /// Everything a rollback needs: a rollback point of the cell table (its changes since are
+    /// journaled: cell_table::mark), a copy of the layout's tables, the slot-search head.
+    /// Library components use it for compound operations (ops/, reuse/, io/). One saved
+    /// through the internal API below ends (cell_table::release) when it is destroyed or saved
+    /// again; it must not outlive its cache, nor see the cache moved while it is saved.
     struct checkpoint {
-        std::optional<cell_table> cells;
+        cell_table::mark cells;
         std::unique_ptr<cell_observer> obs;
         std::uint32_t head = 0;
+
+        checkpoint() = default;
+        checkpoint(checkpoint&& o) noexcept
+            : cells(std::move(o.cells)), obs(std::move(o.obs)), head(o.head), owner_(std::exchange(o.owner_, nullptr)) {}
+        checkpoint& operator=(checkpoint&& o) noexcept {
+            if (this != &o) {
+                end();
+                cells = std::move(o.cells);
+                obs = std::move(o.obs);
+                head = o.head;
+                owner_ = std::exchange(o.owner_, nullptr);
+            }
+            return *this;
+        }
+        ~checkpoint() { end(); }
+        /// Ends the rollback point now (keeps the cache as it is). Never throws.
+        void end() noexcept {
+            if (owner_ != nullptr) owner_->release(cells);
+            owner_ = nullptr;
+        }
+
+    private:
+        friend class basic_kv_cache;
+        const cell_table* owner_ = nullptr;  // saved through save_checkpoint(cp, internal_access)
     };
-    /// Saves the state into `cp` (may throw std::bad_alloc; nothing changed then).
-    void save_checkpoint(checkpoint& cp, detail::internal_access) const { save_checkpoint(cp); }
-    /// Puts the state saved in `cp` back (`cp` then holds the discarded state). Never throws.
+    /// Saves the state into `cp` (may throw std::bad_alloc; nothing changed then). Changes
+    /// are journaled from now until `cp` ends (destroyed, saved again, or cp.end()).
+    void save_checkpoint(checkpoint& cp, detail::internal_access) const {
+        if (cp.owner_ != nullptr && cp.owner_ != &cells_) cp.end();
+        save_checkpoint(cp);
+        cp.owner_ = &cells_;
+    }
+    /// Puts the state saved in `cp` back (once per save: `cp` then holds the discarded layout
+    /// tables). Never throws. The checkpoints saved after `cp` are then void (only ended).
     /// Staged placements are not tracked: call it only with no transaction open, or on a
     /// checkpoint taken inside the same transaction.
     void load_checkpoint(checkpoint& cp, detail::internal_access) noexcept { load_checkpoint(cp); }
@@ -407,6 +457,7 @@ public:
     void undo_place(checkpoint& cp, std::size_t n, detail::internal_access) noexcept {
         load_checkpoint(cp);
         staged_.resize(n);
+        if (n == 0) end_tx();  // the transaction those placements opened is gone
     }
 
     /// The journal of a compound operation (slot_manager::prepare): a checkpoint, with
@@ -422,14 +473,18 @@ public:
     /// cells; free cells hold nothing). Costs at most the bytes written into such cells.
     /// `cp` must outlive the guard. begin_guard may throw std::bad_alloc (nothing changed).
     void begin_guard(const checkpoint& cp, detail::internal_access) {
-        KVCACHE_ASSERT(cp.cells.has_value() && guard_ == nullptr);
-        guard_done_.assign(capacity(), false);
+        KVCACHE_ASSERT(cp.cells.is_live() && !guard_on_);
+        static_cast<void>(cp);
+        // Occupancy now, which is cp's (begin_guard follows the save): 1 = held, 2 = copied.
+        guard_state_.resize(capacity());
+        const pos_t* pos = cells_.pos_data();
+        for (std::uint32_t c = 0; c < capacity(); ++c) guard_state_[c] = pos[c] >= 0 ? 1 : 0;
         guard_backup_.clear();
-        guard_ = &*cp.cells;
+        guard_on_ = true;
     }
     /// Ends the guard, keeping the cache as it is now (drops the copies). Never throws.
     void end_guard(detail::internal_access) noexcept {
-        guard_ = nullptr;
+        guard_on_ = false;
         guard_backup_.clear();
     }
     /// Ends the guard, writing the kept bytes back (call after load_checkpoint(cp)). Never throws.
@@ -463,9 +518,11 @@ public:
         const std::int64_t lo = rg.lo, hi = rg.hi;
         if constexpr (has_capability<storage_t, layout_caps::seq_rm_check>)
             if (result<void> r = storage_.check_seq_rm(cells_, s, lo, hi); !r) return r;  // layout capability
+        if (s >= 0 && !cells_.seq_has_pos_in(s, lo, hi)) return {};
         std::vector<std::uint32_t> hit;
-        for (std::uint32_t c : cells_.used_cells())
+        cells_.for_each_used([&](std::uint32_t c) {
             if (in_range(c, lo, hi) && (s < 0 || cells_.seqs(c).test(s))) hit.push_back(c);
+        });
         if (hit.empty()) return {};
         return atomically([&]() -> result<void> {
             for (std::uint32_t c : hit) {
@@ -489,14 +546,15 @@ public:
         const std::int64_t lo = rg.lo, hi = rg.hi;
         if (src == dst) return {};
         std::vector<std::uint32_t> hit;
-        for (std::uint32_t c : cells_.used_cells()) {
-            if (!in_range(c, lo, hi) || !cells_.seqs(c).test(src) || cells_.seqs(c).test(dst)) continue;
-            if (cells_.seq_has_pos(dst, cells_.pos(c)))
-                detail::fail(errc::invalid_argument,
-                             "seq_cp: destination sequence " + std::to_string(dst) + " already holds position " +
-                                 std::to_string(cells_.pos(c)) + "; seq_rm it first");
-            hit.push_back(c);
-        }
+        if (cells_.seq_has_pos_in(src, lo, hi))
+            cells_.for_each_used([&](std::uint32_t c) {
+                if (!in_range(c, lo, hi) || !cells_.seqs(c).test(src) || cells_.seqs(c).test(dst)) return;
+                if (cells_.seq_has_pos(dst, cells_.pos(c)))
+                    detail::fail(errc::invalid_argument,
+                                 "seq_cp: destination sequence " + std::to_string(dst) + " already holds position " +
+                                     std::to_string(cells_.pos(c)) + "; seq_rm it first");
+                hit.push_back(c);
+            });
         return atomically([&]() -> result<void> {
             if constexpr (has_capability<storage_t, layout_caps::seq_cp_hook>) {
                 if (result<void> r = storage_.before_seq_cp(cells_, src, dst, lo, hi); !r) return r;  // may refuse
@@ -568,8 +626,7 @@ public:
             cells_.clear();
             return {};
         }));
-        staged_.clear();
-        tx_backup_.clear();
+        end_tx();  // placements staged before clear() are gone
         head_ = 0;
     }
 
@@ -577,6 +634,9 @@ public:
     [[nodiscard]] bool has_shift() const noexcept { return cells_.n_shifted() != 0; }
     /// Forgets the pending shifts; called by the K-shift kernel after rotating K.
     void clear_shifts() noexcept { cells_.clear_shifts(); }
+    /// Room for clear_shifts() in the journal of a live checkpoint (a K-shift run inside a
+    /// compound operation); called before K is rotated. May throw std::bad_alloc.
+    void reserve_clear_shifts(detail::internal_access) { cells_.reserve_clear_shifts(); }
 
     /// Mutable cell metadata for library components that rebuild cells wholesale
     /// (state loading, defragmentation). Not for host code: it bypasses validation
@@ -590,26 +650,26 @@ public:
 
 private:
     void save_checkpoint(checkpoint& cp) const {
-        if (cp.cells)
-            *cp.cells = cells_;  // reuses the checkpoint's memory (tree nodes, vectors)
-        else
-            cp.cells.emplace(cells_);
         if (cell_observer* o = cells_.observer(); o != nullptr) {
             if (cp.obs)
                 cp.obs->assign_from(*o);
             else
                 cp.obs = o->clone();
         }
+        cells_.save_mark(cp.cells);  // last: a throw above leaves no live mark
         cp.head = head_;
     }
     void load_checkpoint(checkpoint& cp) noexcept {
-        KVCACHE_ASSERT(cp.cells.has_value());
-        cell_observer* o = cells_.observer();
-        std::swap(cells_, *cp.cells);
-        cells_.set_observer(o);
-        cp.cells->set_observer(nullptr);
-        if (o != nullptr) o->swap_state(*cp.obs);
+        cells_.rollback(cp.cells);
+        if (cell_observer* o = cells_.observer(); o != nullptr) o->swap_state(*cp.obs);
         std::swap(head_, cp.head);
+    }
+    // The transaction is over (committed, restored or undone): its rollback point ends.
+    void end_tx() noexcept {
+        staged_.clear();
+        tx_backup_.clear();
+        tx_emptied_.clear();
+        cells_.release(tx_cp_.cells);
     }
     /// Runs f (returning result<void>) with the strong guarantee: an error result or a
     /// throw puts everything back as before the call.
@@ -619,9 +679,11 @@ private:
         try {
             result<void> r = f();
             if (!r) load_checkpoint(op_cp_);
+            cells_.release(op_cp_.cells);
             return r;
         } catch (...) {
             load_checkpoint(op_cp_);
+            cells_.release(op_cp_.cells);
             throw;
         }
     }
@@ -789,17 +851,18 @@ private:
     result<void> move_positions(const char* fn, seq_id_t s, std::int64_t lo, std::int64_t hi, position_move f) {
         std::vector<std::uint32_t> hit;
         std::uint32_t splits = 0;
-        for (std::uint32_t c : cells_.used_cells()) {
-            if (!in_range(c, lo, hi) || (s >= 0 && !cells_.seqs(c).test(s))) continue;
-            const std::int64_t np = f(cells_.pos(c));
-            if (np > std::numeric_limits<pos_t>::max())
-                detail::fail(errc::invalid_argument, std::string(fn) + ": position " + std::to_string(cells_.pos(c)) +
-                                                         " would move to " + std::to_string(np) +
-                                                         ", beyond the largest position 2^31-1");
-            if (np == cells_.pos(c)) continue;
-            hit.push_back(c);
-            if (s >= 0 && np >= 0 && cells_.seqs(c).count() > 1) ++splits;
-        }
+        if (s < 0 || cells_.seq_has_pos_in(s, lo, hi))
+            cells_.for_each_used([&](std::uint32_t c) {
+                if (!in_range(c, lo, hi) || (s >= 0 && !cells_.seqs(c).test(s))) return;
+                const std::int64_t np = f(cells_.pos(c));
+                if (np > std::numeric_limits<pos_t>::max())
+                    detail::fail(errc::invalid_argument, std::string(fn) + ": position " +
+                                                             std::to_string(cells_.pos(c)) + " would move to " +
+                                                             std::to_string(np) + ", beyond the largest position 2^31-1");
+                if (np == cells_.pos(c)) return;
+                hit.push_back(c);
+                if (s >= 0 && np >= 0 && cells_.seqs(c).count() > 1) ++splits;
+            });
         for (std::uint32_t c : hit) {  // LongRoPE: K rotated with one table cannot move to the other's positions
             const std::int64_t from = std::int64_t{cells_.pos(c)} - cells_.shift(c), np = f(cells_.pos(c));
             if (np >= 0 && !shape_.rope.shift_exact(from, np))
@@ -861,19 +924,19 @@ private:
         std::vector<storage_type> bytes;  // per layer: K (head, storage unit), then V (head, storage unit)
     };
     void backup_if_held_at_tx_start(std::uint32_t c) {
-        if (!tx_cp_.cells || tx_cp_.cells->is_free(c)) return;
+        if (std::find(tx_emptied_.begin(), tx_emptied_.end(), c) == tx_emptied_.end()) return;
         for (const cell_backup& b : tx_backup_)
             if (b.cell == c) return;  // the first copy is the transaction's start
         tx_backup_.push_back(cell_bytes(c));
     }
     /// The guard's copy of cell c (begin_guard), once: the bytes it had when the guard began.
     void guard_cell(std::uint32_t c) {
-        if (guard_ == nullptr || guard_->is_free(c) || guard_done_[c]) return;
+        if (!guard_on_ || guard_state_[c] != 1) return;
         guard_backup_.push_back(cell_bytes(c));
-        guard_done_[c] = true;
+        guard_state_[c] = 3;
     }
     void guard_cells(std::span<const std::uint32_t> cells) {
-        if (guard_ == nullptr) return;
+        if (!guard_on_) return;
         guard_backup_.reserve(guard_backup_.size() + cells.size());
         for (const std::uint32_t c : cells) guard_cell(c);
     }
@@ -909,8 +972,9 @@ private:
     std::uint32_t head_ = 0;             // where the next slot search starts (F3)
     checkpoint tx_cp_;                   // the state before the first staged placement (restore())
     checkpoint op_cp_;                   // the state before the running operation (its rollback)
-    const cell_table* guard_ = nullptr;  // occupancy when the byte guard began (begin_guard), or none
-    std::vector<bool> guard_done_;       // cells whose bytes the guard copied
+    std::vector<std::uint32_t> tx_emptied_;  // cells this transaction emptied that held K/V when it began
+    bool guard_on_ = false;              // a byte guard is on (begin_guard)
+    std::vector<std::uint8_t> guard_state_;  // per cell: 1 held when the guard began, 3 also copied
     std::vector<cell_backup> guard_backup_;
     std::vector<float> row_buf_ = std::vector<float>(std::max(shape_.k_row_size(), shape_.v_row_size()));  // write_rows
 };

@@ -203,6 +203,14 @@ struct units {
 
 /// Rotates every unit of un (one parallel region) and clears the pending shifts; allocates
 /// nothing, so a K-shift whose units were built completes.
+/// Room for the cache's clear_shifts() at the end (a K-shift inside a compound operation's
+/// checkpoint journals it): taken before anything rotates. May throw std::bad_alloc.
+template <class Cache>
+void reserve_clear(Cache& cache) {
+    if constexpr (requires { cache.reserve_clear_shifts(kvcache::detail::internal_access{}); })
+        cache.reserve_clear_shifts(kvcache::detail::internal_access{});
+}
+
 template <class Cache>
 void run_units(Cache& cache, const units<Cache>& un, int n_threads) {
     if (un.n_units > 0) {
@@ -242,6 +250,7 @@ void apply_k_shift(Cache& cache, int n_threads = 0, kernel_path path = kernel_pa
         kvcache::detail::fail(errc::transaction_open, "apply_k_shift: placements are staged; commit() or restore() first");
     if (!cache.has_shift()) return;
     const detail_kshift::units<Cache> un(cache, n_threads, path);  // everything it allocates
+    detail_kshift::reserve_clear(cache);
     detail_kshift::run_units(cache, un, n_threads);
 }
 
@@ -258,6 +267,7 @@ class kshift_plan {
 public:
     explicit kshift_plan(Cache& cache, std::size_t n_items = 0, kernel_path path = kernel_path::simd)
         : cache_(&cache), un_(checked(cache), 1, path) {
+        detail_kshift::reserve_clear(cache);
         const std::int64_t want =
             n_items != 0 ? static_cast<std::int64_t>(n_items) : std::int64_t{cache.shape().n_layer} * un_.n_head_kv;
         n_items_ = static_cast<std::size_t>(std::min(want, un_.n_units));
@@ -320,6 +330,7 @@ void apply_k_shift(Memory& mem, int n_threads = 0, kernel_path path = kernel_pat
                                   "apply_k_shift: placements are staged; commit() or restore() first");
         if (!part.has_shift()) return;
         auto un = std::make_shared<const detail_kshift::units<part_t>>(part, n_threads, path);
+        detail_kshift::reserve_clear(part);
         rotations.emplace_back([&part, un, n_threads] { detail_kshift::run_units(part, *un, n_threads); });
     });
     for (auto& r : rotations) r();  // allocates nothing: std::function keeps its callable

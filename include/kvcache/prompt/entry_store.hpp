@@ -222,13 +222,13 @@ public:
             throw;
         }
         auto& table = cache.cells_for_update(detail::internal_access{});
-        if (repeated) {
-            try {
+        try {
+            if (repeated)
                 for (std::size_t i = 0; i < cells.size(); ++i) table.move_pos(cells[i], h.pos[i]);
-            } catch (...) {
-                cache.load_checkpoint(cp, detail::internal_access{});
-                throw;
-            }
+            table.reserve_journal(cells.size());  // under a live checkpoint: the set_shift run below cannot throw
+        } catch (...) {
+            if (repeated) cache.load_checkpoint(cp, detail::internal_access{});
+            throw;
         }
         for (std::size_t i = 0; i < cells.size(); ++i) table.set_shift(cells[i], h.shift[i]);
         const std::size_t per_layer = row * cells.size();
@@ -369,7 +369,8 @@ public:
     /// What undoes the store's changes to the cache and to itself (the prompt cache's
     /// strong guarantee, detail::undoable_store): a checkpoint of the cache (cell table and
     /// the layout's tables: save and release share and unshare cells, no K/V byte is
-    /// written) and a copy of the free list. Taking one copies the cell table: O(cells).
+    /// written) and a copy of the free list. Taking one journals the cell table's changes from
+    /// then on (cell_table::mark) and copies the layout's tables, if any.
     struct undo_record {
         typename detail::checkpoint_or<Cache>::type cache{};
         std::vector<seq_id_t> free;

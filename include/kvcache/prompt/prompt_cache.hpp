@@ -29,7 +29,7 @@
 // checkpoint and a copy of its free list, restored by noexcept swaps; copy_store and
 // state_store release without throwing, in phase 2), then the removals and counters,
 // which never allocate (radix_index::erase is noexcept). Cost: a shared_store operation
-// copies the cell table once (O(cells)). A custom store whose release() may throw and
+// journals the cell table's changes (cell_table::mark) and copies the layout's tables, if any. A custom store whose release() may throw and
 // that has no undo record (detail::undoable_store) makes removals compound.
 //
 // Thread safety: not thread-safe. A prompt_cache, its store and the cache it works on are

@@ -47,8 +47,8 @@
 // every memory: any exception leaves the cache (metadata, indexes, block tables, the
 // K/V of every occupied cell, recurrent states), the slots, the store and the global
 // prompt cache as they were, through an undo journal (see "prepare's journal" below; it
-// costs a copy of the cell table per call: slot_options::strong_prepare = false turns it
-// off). The storage tiers may keep a promotion the fetch queued (a copy of a blob they
+// costs a journal of the cell table's changes, a pass over the cells' occupancy and a copy
+// of the layout's tables per call: slot_options::strong_prepare = false turns it off). The storage tiers may keep a promotion the fetch queued (a copy of a blob they
 // hold) and count the fetch. With a custom store whose release() may throw and that
 // keeps no undo record, and with strong_prepare off, prepare is a sequence of steps each
 // complete or nothing: when one throws, nothing is ever served wrong: the cache stays
@@ -136,7 +136,8 @@ struct slot_options {
     bool apply_k_shift = true;        ///< F20: rotate moved K in prepare (else the host calls ops::apply_k_shift)
     int n_threads = 0;                ///< threads of that K-shift (<= 0: OpenMP default)
     /// prepare() with the strong guarantee (an undo journal, see "Allocation failure" in
-    /// the file comment; on a K/V cache it copies the cell table once per call).
+    /// the file comment; on a K/V cache it journals the cell table's changes and reads its
+    /// occupancy once per call).
     /// false: compound (each step complete or nothing, nothing ever served wrong).
     bool strong_prepare = true;
 };
