@@ -134,8 +134,9 @@ public:
         try {
             auto a = attn_.place(pos, seq);
             if (!a) {
+                auto err = detail::make_error(a.code(), a.message());  // may throw: undone once, below
                 rec_.undo_place(mark, detail::internal_access{});
-                return detail::make_error(a.code(), a.message());
+                return err;
             }
             return placement_type{std::move(a.value()), std::move(rp)};
         } catch (...) {

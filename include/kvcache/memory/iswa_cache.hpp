@@ -187,8 +187,9 @@ public:
         try {
             auto w = swa_.place(pos, seqs);
             if (!w) {  // not reached after the dry run; kept for safety
+                auto err = detail::make_error(w.code(), w.message());  // may throw: undone once, below
                 full_.undo_place(cp, staged, detail::internal_access{});
-                return detail::make_error(w.code(), w.message());
+                return err;
             }
             return iswa_placement{std::move(f.value()), std::move(w.value())};
         } catch (...) {

@@ -296,8 +296,9 @@ public:
                 // Layout capability: the layout picks the cells and any copy-on-write of shared cells.
                 auto plan = storage_.plan_place(cells_, pos, seqs);
                 if (!plan) {
+                    auto err = detail::make_error(plan.code(), plan.message());  // may throw: undone once, below
                     undo();
-                    return detail::make_error(plan.code(), plan.message());
+                    return err;
                 }
                 out.cells = std::move(plan.value().cells);
                 copies = std::move(plan.value().copies);
