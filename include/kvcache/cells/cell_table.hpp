@@ -103,12 +103,16 @@ struct journal_slot {
     Journal j;
     journal_slot() = default;
     journal_slot(const journal_slot&) {}
-    journal_slot(journal_slot&&) noexcept = default;
+    journal_slot(journal_slot&& o) noexcept : j(std::move(o.j)) { o.j.marks = 0; }
     journal_slot& operator=(const journal_slot&) {
         j = Journal{};
         return *this;
     }
-    journal_slot& operator=(journal_slot&&) noexcept = default;
+    journal_slot& operator=(journal_slot&& o) noexcept {
+        j = std::move(o.j);
+        o.j.marks = 0;
+        return *this;
+    }
     ~journal_slot() = default;
 };
 }  // namespace detail
