@@ -376,3 +376,44 @@ TEST_CASE("sequence ops reject invalid arguments and change nothing") {
     REQUIRE(c.seq_add(-1, 0, -1, 3));
     CHECK(c.seq_pos_min(1) == 3);
 }
+
+TEST_CASE("rollback points end with their operation: no mark is left live between calls") {
+    // A live mark journals every later change; one left behind would make the cache record
+    // (and keep index nodes) forever. The transaction's lives from the first placement to
+    // commit / restore; every operation's ends with it, refused or not.
+    auto check_layout = [](auto cache) {
+        const auto marks = [&] { return cache.cells().live_marks(); };
+        REQUIRE(marks() == 0);
+        CHECK(cache.place(std::vector<pos_t>{}, std::vector<seq_id_t>{}).ok());  // an empty batch
+        CHECK(marks() == 0);
+        CHECK(cache.commit() == kvcache::tx_result::nothing_staged);
+        add_tokens(cache, 0, 0, 5);
+        CHECK(marks() == 0);
+        static_cast<void>(cache.place(iota_pos(5, 3), std::vector<seq_id_t>(3, 0)).value());
+        CHECK(marks() == 1);  // the transaction's
+        static_cast<void>(cache.place(iota_pos(8, 2), std::vector<seq_id_t>(2, 0)).value());
+        CHECK(marks() == 1);
+        CHECK(cache.restore() == kvcache::tx_result::restored);
+        CHECK(marks() == 0);
+        CHECK(cache.seq_cp(0, 1, 0, 3).ok());
+        CHECK(cache.seq_add(1, 0, -1, 4).ok());
+        CHECK(cache.seq_rm(0, 2, 4).ok());
+        cache.seq_keep(1);
+        CHECK(marks() == 0);
+        // Refused placements (more tokens than free cells; paged: more blocks than free,
+        // refused by the layout's plan after the checkpoint) and a throwing call.
+        CHECK_FALSE(cache.place(iota_pos(100, 126), std::vector<seq_id_t>(126, 2)).ok());
+        CHECK(marks() == 0);
+        if (cache.place(iota_pos(100, 100), std::vector<seq_id_t>(100, 2)).ok())
+            CHECK(cache.restore() == kvcache::tx_result::restored);
+        CHECK(marks() == 0);
+        CHECK_THROWS_AS(static_cast<void>(cache.place(iota_pos(0, 1), std::vector<seq_id_t>{1})), kvcache::error);
+        CHECK(marks() == 0);
+        static_cast<void>(cache.place(iota_pos(50, 1), std::vector<seq_id_t>{2}).value());
+        cache.clear();  // with placements staged: the transaction ends too
+        CHECK(marks() == 0);
+        CHECK_FALSE(cache.in_transaction());
+    };
+    check_layout(kvcache::kv_cache<kvcache::f32>(small_shape(128)));
+    check_layout(kvcache::kv_cache<kvcache::f32, kvcache::paged<32>>(small_shape(128)));
+}

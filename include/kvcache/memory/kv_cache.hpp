@@ -335,7 +335,7 @@ public:
             // K/V last (never throws): a throw above leaves every byte as it was.
             for (const cell_copy& c : copies) storage_.copy_cell(c.src, c.dst);
             if (n > 0) head_ = out.cells.back() + 1 == capacity() ? 0 : out.cells.back() + 1;
-            if (!first) cells_.release(op_cp_.cells);
+            if (!first || staged_.empty()) cells_.release(cp.cells);  // an empty batch opens no transaction
             return out;
         } catch (...) {
             undo();
