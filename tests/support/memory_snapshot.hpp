@@ -1,8 +1,9 @@
 // Test helper: a complete, comparable picture of a memory (kv_cache of any layout or
 // iswa_cache) as text lines: cell metadata, the cell table's indexes, a hash of every
 // occupied cell's K/V bytes, block tables, refcounts, free blocks, ring pruning points,
-// the transaction state. Used by the fault-injection sweep and the API fuzzer to check
-// that a refused or failed operation left the memory bit-identical.
+// the transaction state, the live rollback points. Used by the fault-injection sweep and
+// the API fuzzer to check that a refused or failed operation left the memory bit-identical
+// (and that no rollback point outlived its operation).
 #pragma once
 
 #include <kvcache/kvcache.hpp>
@@ -45,7 +46,8 @@ void snapshot_into(const Cache& c, const std::string& tag, snap& out) {
         out.lines.push_back(os.str());
     };
     const cell_table& t = c.cells();
-    line("used", t.used(), "shifted", t.n_shifted(), "tx", c.in_transaction());
+    // live rollback points (cell_table::mark): one that outlives its operation would show
+    line("used", t.used(), "shifted", t.n_shifted(), "tx", c.in_transaction(), "marks", t.live_marks());
     {
         std::ostringstream os;
         for (std::uint32_t x : t.used_cells()) os << x << ',';
