@@ -1,6 +1,7 @@
 // cell_table: the incrementally maintained indexes (used set, first/last used cell,
 // per-sequence position multiset, shifted-cell count) agree with a recomputation
-// from the raw arrays after every random mutation; snapshots restore exactly.
+// from the raw arrays after every random mutation; snapshots restore exactly; rollback
+// points (cell_table::mark) put back everything their changes touched.
 #include <doctest/doctest.h>
 
 #include <kvcache/cells/cell_table.hpp>
@@ -46,6 +47,58 @@ void check_indexes(const kvcache::cell_table& t) {
     }
 }
 
+/// One random mutation (every kind of change, every kind the journal records).
+void random_mutation(kvcache::cell_table& t, std::mt19937& rng) {
+    auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    const auto c = static_cast<std::uint32_t>(uni(0, static_cast<int>(t.size()) - 1));
+    const seq_id_t s = uni(0, static_cast<int>(t.n_seq_max()) - 1);
+    switch (uni(0, 9)) {
+        case 0:
+        case 1:
+            if (t.is_free(c)) {
+                kvcache::seq_set set = kvcache::seq_set::of(s);
+                if (uni(0, 3) == 0) set.set(uni(0, static_cast<int>(t.n_seq_max()) - 1));
+                const kvcache::mrope_pos e = t.has_ext() ? kvcache::mrope_pos{uni(0, 9), uni(0, 9), uni(0, 9)}
+                                                         : kvcache::mrope_pos{};
+                t.occupy(c, uni(0, 30), set, e);
+                if (uni(0, 2) == 0) t.set_shift(c, uni(-5, 5));
+            }
+            break;
+        case 2:
+            if (!t.is_free(c)) t.add_seq(c, s);
+            break;
+        case 3:
+            if (!t.is_free(c) && t.seqs(c).test(s)) t.rm_seq(c, s);
+            break;
+        case 4:
+        case 5:
+            if (!t.is_free(c)) t.move_pos(c, uni(0, 40));
+            break;
+        case 6: {  // free_cell, then maybe the saved state back (load)
+            if (t.is_free(c)) break;
+            const auto snap = t.save(c);
+            t.free_cell(c);
+            if (uni(0, 1) == 1) t.load(c, snap);
+            if (!t.is_free(c)) REQUIRE(t.pos(c) == snap.pos);
+            break;
+        }
+        case 7:
+            if (!t.is_free(c)) {
+                t.reserve_journal(1);
+                t.set_shift(c, uni(-9, 9));
+            }
+            break;
+        case 8:
+            if (uni(0, 10) == 0) {
+                t.reserve_clear_shifts();
+                t.clear_shifts();
+            }
+            break;
+        default:
+            if (uni(0, 60) == 0) t.clear();
+    }
+}
+
 }  // namespace
 
 TEST_CASE("seq_set basics") {
@@ -72,38 +125,10 @@ TEST_CASE("seq_set basics") {
 
 TEST_CASE("cell_table indexes stay consistent under random mutations") {
     std::mt19937 rng(42);
-    auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
     kvcache::cell_table t(50, 5);
     check_indexes(t);
     for (int step = 0; step < 20000; ++step) {
-        const auto c = static_cast<std::uint32_t>(uni(0, 49));
-        const seq_id_t s = uni(0, 4);
-        switch (uni(0, 6)) {
-            case 0:
-            case 1:
-                if (t.is_free(c)) t.occupy(c, uni(0, 30), kvcache::seq_set::of(s));
-                break;
-            case 2:
-                if (!t.is_free(c)) t.add_seq(c, s);
-                break;
-            case 3:
-                if (!t.is_free(c) && t.seqs(c).test(s)) t.rm_seq(c, s);
-                break;
-            case 4:
-                if (!t.is_free(c)) t.move_pos(c, uni(0, 40));
-                break;
-            case 5: {
-                if (t.is_free(c)) break;
-                const auto snap = t.save(c);
-                t.free_cell(c);
-                if (uni(0, 1) == 1) t.load(c, snap);
-                if (!t.is_free(c)) REQUIRE(t.pos(c) == snap.pos);
-                break;
-            }
-            default:
-                if (uni(0, 50) == 0) t.clear_shifts();
-                if (uni(0, 500) == 0) t.clear();
-        }
+        random_mutation(t, rng);
         check_indexes(t);
     }
 }
@@ -193,53 +218,6 @@ table_state state_of(const kvcache::cell_table& t) {
     st.n_shifted = t.n_shifted();
     st.stamp = t.stamp();
     return st;
-}
-
-/// One random mutation (every kind the journal records).
-void random_mutation(kvcache::cell_table& t, std::mt19937& rng) {
-    auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
-    const auto c = static_cast<std::uint32_t>(uni(0, static_cast<int>(t.size()) - 1));
-    const seq_id_t s = uni(0, static_cast<int>(t.n_seq_max()) - 1);
-    switch (uni(0, 9)) {
-        case 0:
-        case 1:
-            if (t.is_free(c)) {
-                kvcache::seq_set set = kvcache::seq_set::of(s);
-                if (uni(0, 3) == 0) set.set(uni(0, static_cast<int>(t.n_seq_max()) - 1));
-                const kvcache::mrope_pos e = t.has_ext() ? kvcache::mrope_pos{uni(0, 9), uni(0, 9), uni(0, 9)}
-                                                         : kvcache::mrope_pos{};
-                t.occupy(c, uni(0, 30), set, e);
-                if (uni(0, 2) == 0) t.set_shift(c, uni(-5, 5));
-            }
-            break;
-        case 2:
-            if (!t.is_free(c)) t.add_seq(c, s);
-            break;
-        case 3:
-            if (!t.is_free(c) && t.seqs(c).test(s)) t.rm_seq(c, s);
-            break;
-        case 4:
-        case 5:
-            if (!t.is_free(c)) t.move_pos(c, uni(0, 40));
-            break;
-        case 6:
-            if (!t.is_free(c)) t.free_cell(c);
-            break;
-        case 7:
-            if (!t.is_free(c)) {
-                t.reserve_journal(1);
-                t.set_shift(c, uni(-9, 9));
-            }
-            break;
-        case 8:
-            if (uni(0, 10) == 0) {
-                t.reserve_clear_shifts();
-                t.clear_shifts();
-            }
-            break;
-        default:
-            if (uni(0, 60) == 0) t.clear();
-    }
 }
 
 }  // namespace

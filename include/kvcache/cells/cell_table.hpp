@@ -9,8 +9,8 @@
 // Rollback points (save_mark / rollback / release): while a mark is live every change is
 // journaled as its inverse, so a rollback costs what changed since the mark, not the size
 // of the table (the memories' checkpoints were whole copies of the table before: a
-// place() of one token into a contiguous cache of 131,072 used cells took 38 ms, 95% of
-// it copying the std::set / std::map indexes). The index nodes a journaled change removes
+// place() + restore() of 4 tokens into a contiguous cache of 131,072 used cells took 38 ms
+// on a Zen 3, 95% of it copying the std::set / std::map indexes). The index nodes a journaled change removes
 // are kept (node handles) and put back by the rollback, which therefore never allocates.
 #pragma once
 
@@ -260,7 +260,7 @@ public:
     void occupy(std::uint32_t c, pos_t p, const seq_set& seqs, const mrope_pos& e = {}) {
         KVCACHE_ASSERT(is_free(c) && p >= 0 && seqs.any());
         KVCACHE_ASSERT(!ext_.empty() || e == mrope_pos{});
-        if (recording()) reserve_journal(2);  // its record and one for a set_shift of the cell
+        reserve_journal(2);  // its record and one for a set_shift of the cell
         touch();
         used_.insert(c);
         index_add_all(seqs, p, [&] { used_.erase(c); });
@@ -274,7 +274,7 @@ public:
     void add_seq(std::uint32_t c, seq_id_t s) {
         KVCACHE_ASSERT(!is_free(c));
         if (seqs_[c].test(s)) return;
-        if (recording()) reserve_journal(1);
+        reserve_journal(1);
         touch();
         ++seq_pos_[static_cast<std::size_t>(s)][pos_[c]];
         seq_gen_[static_cast<std::size_t>(s)] = stamp_.v;
@@ -285,7 +285,7 @@ public:
     /// Removes sequence s from cell c; frees the cell when no sequence is left.
     void rm_seq(std::uint32_t c, seq_id_t s) {
         KVCACHE_ASSERT(!is_free(c) && seqs_[c].test(s));
-        if (recording()) reserve_removals(1);
+        reserve_removals(1);
         rm_seq_unchecked(c, s);
         if (obs_.p != nullptr) obs_.p->on_seq_removed(c, s);
     }
@@ -293,7 +293,7 @@ public:
     void free_cell(std::uint32_t c) {
         KVCACHE_ASSERT(!is_free(c));
         const seq_set held = seqs_[c];
-        if (recording()) reserve_removals(static_cast<std::uint32_t>(held.count()));
+        reserve_removals(static_cast<std::uint32_t>(held.count()));
         held.for_each([&](seq_id_t s) { rm_seq_unchecked(c, s); });
         if (obs_.p != nullptr) held.for_each([&](seq_id_t s) { obs_.p->on_seq_removed(c, s); });
     }
@@ -303,11 +303,9 @@ public:
         const pos_t old = pos_[c];
         if (p == old) return;
         const seq_set held = seqs_[c];
+        reserve_journal(1);
+        reserve_nodes(static_cast<std::uint32_t>(held.count()), 0);
         const bool rec = recording();
-        if (rec) {
-            reserve_journal(1);
-            reserve_nodes(static_cast<std::uint32_t>(held.count()), 0);
-        }
         touch();
         index_add_all(held, p, [] {});  // the new position first: a throw leaves the old one
         std::uint32_t kept = 0;
@@ -321,18 +319,14 @@ public:
     /// changed, except right after an occupy() of the cell (which keeps room for it).
     void set_shift(std::uint32_t c, std::int32_t d) {
         if (shift_[c] == d) return;
-        if (recording()) {
-            reserve_journal(1);
-            journal_.j.recs.push_back(jrec{jop::set_shift, c, 0, 0, shift_[c]});
-        }
+        reserve_journal(1);
+        if (recording()) journal_.j.recs.push_back(jrec{jop::set_shift, c, 0, 0, shift_[c]});
         set_shift_raw(c, d);
     }
     /// Room in the journal for clear_shifts() under a live mark (may throw std::bad_alloc;
     /// nothing changed). Call it before the work whose end clear_shifts() records (the
     /// K-shift rotates K first).
-    void reserve_clear_shifts() {
-        if (recording()) reserve_journal(n_shifted_);
-    }
+    void reserve_clear_shifts() { reserve_journal(n_shifted_); }
     /// Forgets every pending shift (after the K-shift kernel applied them). Under a live mark
     /// call reserve_clear_shifts() first.
     void clear_shifts() noexcept {
@@ -437,7 +431,6 @@ public:
             for (auto& m : seq_pos_) m.clear();
         }
         for (auto& g : seq_gen_) g = stamp_.v;
-        for (auto& d : shift_) d = 0;
         n_shifted_ = 0;
         if (obs_.p != nullptr) obs_.p->on_cleared();
     }
@@ -470,13 +463,15 @@ private:
         shift_[c] = d;
     }
     void reserve_nodes(std::uint32_t pos_nodes, std::uint32_t used_nodes) {
+        if (!recording()) return;
         auto grow = [](auto& v, std::size_t n) {
             if (v.capacity() - v.size() < n) v.reserve(std::max(v.size() + n, 2 * v.capacity()));
         };
         grow(journal_.j.pos_nodes, pos_nodes);
         grow(journal_.j.used_nodes, used_nodes);
     }
-    // Room for n sequence removals (and up to `released` freed cells) under a live mark.
+    // Room for n sequence removals (and up to `released` freed cells) under a live mark
+    // (nothing without one).
     void reserve_removals(std::uint32_t n, std::uint32_t released = 1) {
         reserve_journal(n);
         reserve_nodes(n, released);
@@ -617,7 +612,6 @@ private:
                 break;
         }
     }
-    static constexpr std::uint32_t no_cell = ~std::uint32_t{0};
 
     std::vector<pos_t> pos_;            // -1 = free; >= 0 occupied
     std::vector<std::int32_t> shift_;   // 0 for free cells; pos - pos at which K was computed

@@ -3,10 +3,11 @@
 //
 // A memory (kv_cache, iswa_cache) saves everything a rollback needs into its
 // `checkpoint` (a journaled rollback point of the cell table, the layout's tables and
-// hints, slot-search head) and puts it back without allocating. with_rollback runs a multi-step operation so that an
-// error result or a throw (std::bad_alloc included) leaves the memory as it was; K/V
-// bytes of occupied cells are not saved, so the operation must write them only after
-// its last step that can fail (every compound operation of the library does).
+// hints, slot-search head) and puts it back without allocating. with_rollback runs a
+// multi-step operation so that an error result or a throw (std::bad_alloc included)
+// leaves the memory as it was; K/V bytes of occupied cells are not saved, so the
+// operation must write them only after its last step that can fail (every compound
+// operation of the library does).
 #pragma once
 
 #include <utility>  // std::forward
