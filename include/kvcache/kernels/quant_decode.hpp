@@ -710,7 +710,6 @@ struct quant_tiles : converted_tiles<Element> {
         [[maybe_unused]] float* const wsum = w + std::size_t{nv} * M * k_tile;
 #if defined(KVCACHE_QDEC_512)
         __m512 pair_next[2] = {};  // (scales16_pairs: the second unit of a two-unit block)
-        [[maybe_unused]] __m512 chk = _mm512_setzero_ps();  // q4_0: the sum of every weight (finite?)
         for (std::uint32_t u = 0; u < nv; ++u) {
             std::size_t cstep;
             const char* ubc = unit_at(u, cstep);
@@ -735,19 +734,8 @@ struct quant_tiles : converted_tiles<Element> {
                                                       _mm512_loadu_ps(p_buf + s * k_tile + 16), d1v);
                 _mm512_storeu_ps(wu + s * k_tile, w0);
                 _mm512_storeu_ps(wu + s * k_tile + 16, w1);
-                if constexpr (four_bit) chk = _mm512_add_ps(chk, _mm512_add_ps(w0, w1));
             }
         }
-#if defined(KVCACHE_QDEC_VNNI) && defined(__AVX512VBMI__)
-        // q4_0: p.V on int8 weights when every weight is finite (else the float path below
-        // makes the rows that see a NaN / inf scale NaN, as documented).
-        if constexpr (four_bit)
-            if (_mm512_cmp_ps_mask(_mm512_abs_ps(chk), _mm512_set1_ps(std::numeric_limits<float>::infinity()),
-                                   _CMP_NLT_UQ) == 0 &&
-                accumulate_bytes512<M>(unit_at, nv, any, w, acc, dv, alpha, rescale, pfv,
-                                       reinterpret_cast<const char*>(vtile)))
-                return;
-#endif
 #else
         static_cast<void>(fold_weights8<M>(unit_at, nv, mask, p_buf, w, four_bit ? wsum : nullptr));
 #endif
@@ -833,117 +821,6 @@ struct quant_tiles : converted_tiles<Element> {
 #endif
         }
     }
-
-#if defined(KVCACHE_QDEC_VNNI) && defined(__AVX512VBMI__)
-    /// vpermt2b indexes that turn a 128-byte window holding 4 cells' q4_0 V units (cell i at
-    /// i * cstep, cstep = 18: a run of units; 36: two units to a cell) into 16 dwords, dword k
-    /// = code byte k of the 4 cells (dimensions k and k + 16 of each, as nibbles).
-    struct v_window_tables {
-        alignas(64) std::uint8_t ix[2][64];
-    };
-    static constexpr v_window_tables make_v_window_tables() noexcept {
-        v_window_tables t{};
-        for (std::size_t c = 0; c < 2; ++c)
-            for (std::size_t k = 0; k < 16; ++k)
-                for (std::size_t i = 0; i < 4; ++i)
-                    t.ix[c][4 * k + i] = static_cast<std::uint8_t>(i * (c + 1) * unit_bytes + codes_at + k);
-        return t;
-    }
-    static constexpr v_window_tables v_window_ix = make_v_window_tables();
-
-    /// accumulate_bytes512's inner loop: a[s][0 / 1] = the int32 sums over the tile's cells
-    /// (the 4-cell groups with a cell in `any`; Full: all 8) of dimensions 0..15 / 16..31 of
-    /// q4_0 V unit `ubc` (cell j at j * cstep) as codes 0..15, times slot s's int8 weights
-    /// (wq[s], one byte per cell): one vpdpbusd per 16 dimensions, 4 cells and slot.
-    template <std::size_t GG, bool Full>
-    static void pv_quads(const char* ubc, std::size_t cstep, const std::int8_t (*wq)[k_tile], tile_mask any,
-                         const char* pf, __m512i (&a)[GG][2]) noexcept {
-        const __m512i nib = _mm512_set1_epi8(0x0F);
-        const __m512i ix = _mm512_load_si512(v_window_ix.ix[cstep == unit_bytes ? 0 : 1]);
-        // the window's bytes past the first 64 that belong to the 4 units (8 or 62): the
-        // masked load reads nothing beyond the last unit
-        const __mmask64 hi_mask = (__mmask64{1} << (3 * cstep + unit_bytes - 64)) - 1;
-        for (std::size_t s = 0; s < GG; ++s) a[s][0] = a[s][1] = _mm512_setzero_si512();
-        for (std::uint32_t g = 0; g < k_tile / 4; ++g) {
-            if constexpr (!Full)
-                if (((any >> (4 * g)) & 0xFu) == 0) continue;
-            const std::size_t o = std::size_t{4 * g} * cstep;
-            __builtin_prefetch(pf + o, 0, 2);
-            __builtin_prefetch(pf + o + 64, 0, 2);
-            const __m512i x0 = _mm512_loadu_si512(ubc + o);
-            const __m512i x1 = _mm512_maskz_loadu_epi8(hi_mask, ubc + o + 64);
-            const __m512i v = _mm512_permutex2var_epi8(x0, ix, x1);
-            const __m512i lo = _mm512_and_si512(v, nib);                         // dimensions 0..15
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);  // 16..31
-            for (std::size_t s = 0; s < GG; ++s) {
-                std::int32_t wp;
-                std::memcpy(&wp, wq[s] + 4 * g, sizeof wp);
-                const __m512i wv = _mm512_set1_epi32(wp);
-                a[s][0] = _mm512_dpbusd_epi32(a[s][0], lo, wv);
-                a[s][1] = _mm512_dpbusd_epi32(a[s][1], hi, wv);
-            }
-        }
-    }
-
-    /// AVX-512 VNNI, q4_0: p.V on int8 weights (the AVX2 accumulate_bytes' scheme with
-    /// int32 sums, so no int16 bound). Per unit u and slot s: the folded weights w (finite,
-    /// from pass 1) rounded to int8 with step sw = max |w| / 127 (a row whose step is below
-    /// FLT_MIN is dropped, as on AVX2), vpdpbusd of the 4-cell groups' nibbles (0..15) with
-    /// the weights, then acc = acc * alpha + sw * sum - 8 sw sum(wq). Returns false, with
-    /// nothing written, where a unit's cells are not 18 or 36 bytes apart.
-    template <std::size_t M, class UnitAt>
-    bool accumulate_bytes512(UnitAt& unit_at, std::uint32_t nv, tile_mask any, const float* w, float* acc,
-                             std::uint32_t dv, const float* alpha, bool rescale, const char* pfv,
-                             const char* vtile) const noexcept {
-        for (std::uint32_t u = 0; u < nv; ++u) {
-            std::size_t cstep;
-            static_cast<void>(unit_at(u, cstep));
-            if (cstep != unit_bytes && cstep != 2 * unit_bytes) return false;
-        }
-        for (std::uint32_t u = 0; u < nv; ++u) {
-            std::size_t cstep;
-            const char* ubc = unit_at(u, cstep);
-            alignas(64) std::int8_t wq[M][k_tile];
-            float sw[M], corr[M];
-            for (std::size_t s = 0; s < M; ++s) {
-                const float* wr = w + (std::size_t{u} * M + s) * k_tile;
-                const __m512 a = _mm512_loadu_ps(wr), b = _mm512_loadu_ps(wr + 16);
-                const float step = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) * (1.0f / 127.0f);
-                const __m512 inv = _mm512_set1_ps(step >= std::numeric_limits<float>::min() ? 1.0f / step : 0.0f);
-                const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
-                const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-                _mm_store_si128(reinterpret_cast<__m128i*>(wq[s]), _mm512_cvtepi32_epi8(qa));
-                _mm_store_si128(reinterpret_cast<__m128i*>(wq[s] + 16), _mm512_cvtepi32_epi8(qb));
-                sw[s] = step;
-                corr[s] = 8.0f * step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-            }
-            float* ap = acc + std::size_t{u} * 32;
-            // (prefetching lines just read where there is no next tile keeps the loop straight)
-            const char* pf = pfv != nullptr ? pfv + (ubc - vtile) : ubc;
-            auto pass = [&](std::size_t s0, auto gg) {
-                constexpr std::size_t GG = decltype(gg)::value;
-                __m512i a32[GG][2];
-                if (any == k_tile_full)
-                    pv_quads<GG, true>(ubc, cstep, wq + s0, any, pf, a32);
-                else
-                    pv_quads<GG, false>(ubc, cstep, wq + s0, any, pf, a32);
-                for (std::size_t s = 0; s < GG; ++s) {
-                    const __m512 swv = _mm512_set1_ps(sw[s0 + s]), cv = _mm512_set1_ps(corr[s0 + s]);
-                    const __m512 al = _mm512_set1_ps(rescale ? alpha[s0 + s] : 1.0f);
-                    for (int v = 0; v < 2; ++v) {
-                        float* x = ap + (s0 + s) * dv + v * 16;
-                        _mm512_storeu_ps(x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a32[s][v]), swv,
-                                                            _mm512_fmsub_ps(_mm512_loadu_ps(x), al, cv)));
-                    }
-                }
-            };
-            constexpr std::size_t G = M < 8 ? M : 8;  // slots per pass: 2 G int32 accumulators
-            for (std::size_t s0 = 0; s0 + G <= M; s0 += G) pass(s0, std::integral_constant<std::size_t, G>{});
-            if constexpr (M % G != 0) pass(M / G * G, std::integral_constant<std::size_t, M % G>{});
-        }
-        return true;
-    }
-#endif
 
 #if defined(KVCACHE_QDEC_256)
     /// AVX2: the folded weights w = p * d_v (exactly 0 outside mask[s]) of every unit u and
