@@ -12,8 +12,9 @@
 //   kvcache_demo --tiers --tier-dir DIR --redis HOST:PORT   TTFT of a hit from each storage
 //                                     tier, in this process and in new ones (tiers.hpp)
 //
-// cli.hpp parses the arguments, scenarios.hpp runs the experiments, report.hpp prints the
-// tables and writes the JSON. Exit code: 0 when every row and every check passes, 1
+// cli.hpp parses the arguments, scenarios.hpp (and tiers.hpp, hybrid.hpp) hold the
+// experiments, runs.hpp declares them per run and element (defined in runs_*.cpp, which
+// compile in parallel), report.hpp prints the tables and writes the JSON. Exit code: 0 when every row and every check passes, 1
 // otherwise, 2 on bad arguments.
 #include <algorithm>
 #include <cstdio>
@@ -28,11 +29,10 @@
 #include <Eigen/Core>
 
 #include "cli.hpp"
-#include "hybrid.hpp"
 #include "engine/llama2c.hpp"
 #include "report.hpp"
+#include "runs.hpp"
 #include "scenarios.hpp"
-#include "tiers.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -103,7 +103,8 @@ int main(int argc, char** argv) {
     if (!o.tier_role.empty()) {
         // A child of the tier scenario's multi-process part: its tier-result lines only.
         try {
-            return demo::tiers::run_child_role(w, tok, o);
+            return demo::runs::with_element(o.cache_type,
+                                            [&]<class E>() { return demo::runs::tier_child<E>(w, tok, o); });
         } catch (const std::exception& e) {
             std::fprintf(stderr, "kvcache_demo (--tier-role %s): %s\n", o.tier_role.c_str(), e.what());
             return 1;
@@ -134,42 +135,30 @@ int main(int argc, char** argv) {
     std::vector<demo::report::check_result> checks;
     try {
         if (o.hybrid) {
-            // A hybrid model of the same shape: attention every 4th layer, the reference
-            // recurrent layer elsewhere; its own TTFT scenarios replace the runs above.
-            if (!o.model.empty()) throw std::runtime_error("--hybrid uses random weights; it cannot load --model");
-            std::printf("\n== hybrid model: attention every 4th layer, recurrent layers elsewhere; TTFT through slots + "
-                        "checkpoints (base prompt %d tokens)\n", o.base_tokens);
-            const demo::hybrid::hybrid_weights hw = demo::hybrid::make_hybrid_model(w.config, 4, o.seed);
-            demo::scenarios::text_source text(tok, o.seed + 1);
-            demo::hybrid::hybrid_runner<demo::scenarios::text_source> runner(hw, text, static_cast<std::size_t>(o.base_tokens),
-                                                                          o.timing, o.strict_timing);
-            rows = runner.run();
+            rows = demo::runs::hybrid_rows(w, tok, o);
             for (const demo::report::row& x : rows) ok = ok && x.pass;
         } else if (o.ttft) {
             std::printf("\n== TTFT through slots + global prompt cache (base prompt %d tokens)\n", o.base_tokens);
             // --cache-type: the K/V element of the served cache and of its cold verifier.
-            auto run_with = [&]<class E>() { return demo::scenarios::basic_ttft_runner<E>(w, tok, o).run(); };
-            if (o.cache_type == "f16") rows = run_with.template operator()<kvcache::f16>();
-            else if (o.cache_type == "bf16") rows = run_with.template operator()<kvcache::bf16>();
-            else if (o.cache_type == "q8_0") rows = run_with.template operator()<kvcache::q8_0>();
-            else if (o.cache_type == "q4_0") rows = run_with.template operator()<kvcache::q4_0>();
-            else rows = run_with.template operator()<kvcache::f32>();
+            rows = demo::runs::with_element(o.cache_type,
+                                            [&]<class E>() { return demo::runs::ttft_rows<E>(w, tok, o); });
             for (const demo::report::row& x : rows) ok = ok && x.pass;
         }
         if (o.tiers && !o.hybrid) {
             std::printf("\n== storage tiers: TTFT of a hit from each tier, in this process and in new ones (base "
                         "prompt %d tokens)\n", o.base_tokens);
             const std::vector<std::string> args(argv + 1, argv + argc);
-            const std::vector<demo::report::row> tier_rows = demo::tiers::run(w, tok, o, args);
+            const std::vector<demo::report::row> tier_rows = demo::runs::with_element(
+                o.cache_type, [&]<class E>() { return demo::runs::tier_rows<E>(w, tok, o, args); });
             for (const demo::report::row& x : tier_rows) ok = ok && x.pass;
             rows.insert(rows.end(), tier_rows.begin(), tier_rows.end());
         }
         if (o.context_shift && !o.hybrid) {
-            checks.push_back(demo::scenarios::run_context_shift(w, tok, o));
+            checks.push_back(demo::runs::context_shift(w, tok, o));
             ok = ok && checks.back().pass;
         }
         if (o.self_extend && !o.hybrid) {
-            checks.push_back(demo::scenarios::run_self_extend(w, tok, o));
+            checks.push_back(demo::runs::self_extend(w, tok, o));
             ok = ok && checks.back().pass;
         }
     } catch (const std::exception& e) {

@@ -557,24 +557,4 @@ private:
     std::vector<row> rows_;
 };
 
-/// Calls f.template operator()<E>() with the K/V element named by --cache-type.
-template <class F>
-auto with_element(const std::string& cache_type, F&& f) {
-    if (cache_type == "f16") return f.template operator()<kvcache::f16>();
-    if (cache_type == "bf16") return f.template operator()<kvcache::bf16>();
-    if (cache_type == "q8_0") return f.template operator()<kvcache::q8_0>();
-    if (cache_type == "q4_0") return f.template operator()<kvcache::q4_0>();
-    return f.template operator()<kvcache::f32>();
-}
-
-/// Process A's tier rows (args: its command line without the program name).
-inline std::vector<row> run(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o,
-                            const std::vector<std::string>& args) {
-    return with_element(o.cache_type, [&]<class E>() { return tier_runner<E>(w, tok, o, args).run(); });
-}
-/// A child process (--tier-role): its exit code.
-inline int run_child_role(const demo::llama_weights& w, const demo::tokenizer& tok, const options& o) {
-    return with_element(o.cache_type, [&]<class E>() { return tier_runner<E>(w, tok, o).child(); });
-}
-
 }  // namespace demo::tiers
