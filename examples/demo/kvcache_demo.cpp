@@ -14,14 +14,13 @@
 //
 // cli.hpp parses the arguments, scenarios.hpp (and tiers.hpp, hybrid.hpp) hold the
 // experiments, runs.hpp declares them per run and element (defined in runs_*.cpp, which
-// compile in parallel), report.hpp prints the tables and writes the JSON. Exit code: 0 when every row and every check passes, 1
-// otherwise, 2 on bad arguments.
+// compile in parallel), report.hpp prints the tables and writes the JSON. Exit code: 0
+// when every row and every check passes, 1 otherwise, 2 on bad arguments.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
