@@ -27,36 +27,20 @@
 #error "kvcache_exp_tile_q8 needs AVX-512 F, BW and VNNI (-march=native on such a CPU)"
 #endif
 #include <immintrin.h>
-#include <kvcache/kvcache.hpp>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <numeric>
-#include <random>
-#include <vector>
 
-using kvcache::pos_t;
-using kvcache::seq_id_t;
-constexpr int D = 128, G = 4, HKV = 8, NH = 32;
+#include "tile_q8_common.hpp"
 
-static inline std::uint16_t f2h(float x) { return static_cast<std::uint16_t>(kvcache::scalar::f32_to_f16(x)); }
-static inline float h2f(std::uint16_t b) { return kvcache::scalar::f16_to_f32(static_cast<kvcache::half>(b)); }
+using namespace tile_exp;
+constexpr int G = 4, NH = 32;  // query heads per KV head, query heads
 
-struct alignas(64) ktile { std::uint16_t d[4][32]; std::uint8_t c[32][32][4]; };   // c[row group][cell][4 rows]: code + 128
 struct alignas(64) vtile { std::uint16_t d[4][32]; std::int8_t c[8][128][4]; };    // c[cell group][dim][4 cells]
 
-// quantize one 32-value block llama.cpp style (scale rounded to f16 first)
-static void quant_block(const float* x, std::int8_t* q, std::uint16_t& dbits) {
-    float amax = 0;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    dbits = f2h(amax / 127.0f);
-    const float d = h2f(dbits), id = d != 0 ? 1.0f / d : 0.0f;
-    for (int i = 0; i < 32; ++i) q[i] = static_cast<std::int8_t>(std::max(-127.0f, std::min(127.0f, std::round(x[i] * id))));
-}
-
+// vpdpbusd through asm: with the intrinsic GCC 12 copied every accumulator to another
+// register and back (bench/README.md, 2026-11-27, evening).
 static inline __m512i dpb(__m512i acc, __m512i u, __m512i s) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "vm"(s));
     return acc;
@@ -253,46 +237,13 @@ static void run_tiles(const tile_cache& tc, const float* qs, float* out) {
         decode_head(&tc.k[std::size_t(h) * tc.ntiles], &tc.v[std::size_t(h) * tc.ntiles], tc.ntiles, qs + h * G * D, out + h * G * D);
 }
 
-template <class E>
-std::unique_ptr<kvcache::kv_cache<E>> make_cache(int n, int n_layer, const std::vector<float>& pf) {
-    kvcache::model_shape s;
-    s.n_layer = n_layer;
-    s.n_head_kv = HKV;
-    s.head_dim_k = D;
-    s.n_cells = n;
-    s.n_seq_max = 1;
-    auto cache = std::make_unique<kvcache::kv_cache<E>>(s);
-    std::vector<pos_t> pos(n);
-    std::iota(pos.begin(), pos.end(), 0);
-    std::vector<seq_id_t> seq(n, 0);
-    static_cast<void>(cache->place(pos, seq).value());
-    static_cast<void>(cache->commit());
-    using T = typename E::storage_type;
-    constexpr std::size_t B = kvcache::element_block_size_v<E>;
-    std::vector<T> pattern(pf.size() / B);
-    E::from_float(pf.data(), pattern.data(), pf.size());
-    const std::size_t elems = std::size_t{cache->storage().n_cells_padded()} * D * HKV / B;
-    for (int l = 0; l < n_layer; ++l) {
-        auto v = cache->storage().view(l);
-        for (T* base : {v.k, v.v})
-            for (std::size_t off = 0; off < elems; off += pattern.size())
-                std::memcpy(base + off, pattern.data(), std::min(pattern.size(), elems - off) * sizeof(T));
-    }
-    return cache;
-}
-
-static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
 int main(int argc, char** argv) {
     const int n = argc > 1 ? std::atoi(argv[1]) : 2048;
     const int layers = argc > 2 ? std::atoi(argv[2]) : 1;
     const int iters = argc > 3 ? std::atoi(argv[3]) : 200;
     const char* ghz_env = std::getenv("KVCACHE_BENCH_GHZ");
     const double ghz = ghz_env != nullptr ? std::strtod(ghz_env, nullptr) : 4.1;
-    std::mt19937 rng(1);
-    std::normal_distribution<float> nd(0.0f, 0.5f);
-    std::vector<float> pf(65536);
-    for (auto& x : pf) x = nd(rng);
+    const std::vector<float> pf = random_pattern();
     std::vector<tile_cache> tcs(layers);
     for (int l = 0; l < layers; ++l) build(tcs[l], n, pf, l == 0);
     auto c16 = make_cache<kvcache::f16>(n, layers, pf);

@@ -16,33 +16,14 @@
 #error "kvcache_exp_tile_q8_kshift needs AVX-512 F and BW (-march=native on such a CPU)"
 #endif
 #include <immintrin.h>
-#include <kvcache/kvcache.hpp>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <numeric>
-#include <random>
-#include <vector>
 
-using kvcache::pos_t;
-using kvcache::seq_id_t;
-constexpr int D = 128, HKV = 8;
+#include "tile_q8_common.hpp"
 
-static inline std::uint16_t f2h(float x) { return static_cast<std::uint16_t>(kvcache::scalar::f32_to_f16(x)); }
-static inline float h2f(std::uint16_t b) { return kvcache::scalar::f16_to_f32(static_cast<kvcache::half>(b)); }
-
-struct alignas(64) ktile { std::uint16_t d[4][32]; std::uint8_t c[32][32][4]; };
-
-static void quant_block(const float* x, std::int8_t* q, std::uint16_t& dbits) {
-    float amax = 0;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    dbits = f2h(amax / 127.0f);
-    const float d = h2f(dbits), id = d != 0 ? 1.0f / d : 0.0f;
-    for (int i = 0; i < 32; ++i) q[i] = static_cast<std::int8_t>(std::max(-127.0f, std::min(127.0f, std::round(x[i] * id))));
-}
+using namespace tile_exp;
 
 // Rotates every cell of one tile by the pairs' cos / sin (cs[64], sn[64]).
 static void rotate_tile(ktile& K, const float* cs, const float* sn) {
@@ -94,44 +75,11 @@ static void rotate_tile(ktile& K, const float* cs, const float* sn) {
         }
 }
 
-template <class E>
-std::unique_ptr<kvcache::kv_cache<E>> make_cache(int n, int n_layer, const std::vector<float>& pf) {
-    kvcache::model_shape s;
-    s.n_layer = n_layer;
-    s.n_head_kv = HKV;
-    s.head_dim_k = D;
-    s.n_cells = n;
-    s.n_seq_max = 1;
-    auto cache = std::make_unique<kvcache::kv_cache<E>>(s);
-    std::vector<pos_t> pos(n);
-    std::iota(pos.begin(), pos.end(), 0);
-    std::vector<seq_id_t> seq(n, 0);
-    static_cast<void>(cache->place(pos, seq).value());
-    static_cast<void>(cache->commit());
-    using T = typename E::storage_type;
-    constexpr std::size_t B = kvcache::element_block_size_v<E>;
-    std::vector<T> pattern(pf.size() / B);
-    E::from_float(pf.data(), pattern.data(), pf.size());
-    const std::size_t elems = std::size_t{cache->storage().n_cells_padded()} * D * HKV / B;
-    for (int l = 0; l < n_layer; ++l) {
-        auto v = cache->storage().view(l);
-        for (T* base : {v.k, v.v})
-            for (std::size_t off = 0; off < elems; off += pattern.size())
-                std::memcpy(base + off, pattern.data(), std::min(pattern.size(), elems - off) * sizeof(T));
-    }
-    return cache;
-}
-
-static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
 int main(int argc, char** argv) {
     const int n = argc > 1 ? std::atoi(argv[1]) : 16384;
     const int layers = argc > 2 ? std::atoi(argv[2]) : 8;
     const int iters = argc > 3 ? std::atoi(argv[3]) : 16;
-    std::mt19937 rng(1);
-    std::normal_distribution<float> nd(0.0f, 0.5f);
-    std::vector<float> pf(65536);
-    for (auto& x : pf) x = nd(rng);
+    const std::vector<float> pf = random_pattern();
     const int ntiles = n / 32;
     std::vector<std::vector<ktile>> tl(layers, std::vector<ktile>(std::size_t(HKV) * ntiles));
     std::size_t pi = 0;
